@@ -1,0 +1,134 @@
+"""A lazy reader of Hugging Face Kimi K2 / DeepSeek-V3 checkpoint directories.
+
+Opening reads config.json, the shard index and every shard's header, and checks them
+against the layout the config implies; no tensor data is read until asked for. Tensors
+are memory-mapped views, so reading one layer costs that layer's bytes and no more.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import K2Error
+from . import layout
+from .fp8 import dequantize
+from .safetensors_io import NUMPY_DTYPES, TensorEntry, read_header
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class Checkpoint:
+    def __init__(self, root: Path, config: ModelConfig, entries: dict[str, TensorEntry]):
+        self.root = root
+        self.config = config
+        self.entries = entries  # every tensor of every shard, by name
+        self.bytes_read = 0  # tensor bytes handed out so far; lets callers check laziness
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    @classmethod
+    def open(cls, path: str | Path, verify: bool = True) -> "Checkpoint":
+        root = Path(path)
+        if not root.exists():
+            raise K2Error(f"{root}: no such directory")
+        if not root.is_dir():
+            raise K2Error(f"{root}: not a directory; pass the checkpoint directory that holds config.json")
+        config = ModelConfig.from_file(root / "config.json")
+        entries = _read_entries(root)
+        checkpoint = cls(root, config, entries)
+        if verify:
+            checkpoint.verify()
+        return checkpoint
+
+    def verify(self) -> None:
+        """Every tensor the config implies exists with its shape and dtype (extra tensors are allowed)."""
+        for spec in layout.all_tensors(self.config):
+            entry = self.entries.get(spec.name)
+            if entry is None:
+                raise K2Error(f"{self.root}: tensor {spec.name} is missing (no shard holds it)")
+            if entry.shape != spec.shape:
+                raise K2Error(
+                    f"{self.root}: tensor {spec.name} in {entry.shard.name} has shape {list(entry.shape)}, "
+                    f"the config implies {list(spec.shape)}"
+                )
+            if entry.dtype != spec.dtype:
+                raise K2Error(f"{self.root}: tensor {spec.name} in {entry.shard.name} is {entry.dtype}, expected {spec.dtype}")
+
+    # -- reading --------------------------------------------------------------------------
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored tensor as a read-only memory-mapped array (FP8 as ml_dtypes.float8_e4m3fn)."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise K2Error(f"{self.root}: no tensor named {name}")
+        buffer = self._map(entry.shard)
+        self.bytes_read += entry.nbytes
+        array = np.frombuffer(buffer, dtype=NUMPY_DTYPES[entry.dtype], count=int(np.prod(entry.shape)), offset=entry.begin)
+        return array.reshape(entry.shape)
+
+    def float32(self, name: str) -> np.ndarray:
+        """A tensor in float32; `*.weight` of an FP8 projection comes back dequantised."""
+        array = self.raw(name)
+        if array.dtype == NUMPY_DTYPES["F8_E4M3"]:
+            scale_name = name + "_scale_inv"
+            if scale_name not in self.entries or self.config.fp8_block is None:
+                raise K2Error(f"{self.root}: FP8 tensor {name} has no {scale_name} or the config no weight_block_size")
+            return dequantize(array, self.raw(scale_name), self.config.fp8_block)
+        return array.astype(np.float32)
+
+    def layer_names(self, layer: int) -> list[str]:
+        return [spec.name for spec in layout.layer_tensors(self.config, layer)]
+
+    def layer_bytes(self, layer: int) -> int:
+        return sum(self.entries[name].nbytes for name in self.layer_names(layer))
+
+    def shards(self) -> list[Path]:
+        return sorted({entry.shard for entry in self.entries.values()})
+
+    def close(self) -> None:
+        for buffer in self._maps.values():
+            buffer.close()
+        self._maps.clear()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _map(self, shard: Path) -> mmap.mmap:
+        if shard not in self._maps:
+            with open(shard, "rb") as f:
+                self._maps[shard] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        return self._maps[shard]
+
+
+def _read_entries(root: Path) -> dict[str, TensorEntry]:
+    index_path = root / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise K2Error(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
+        shard_names = sorted(set(weight_map.values()))
+    elif (root / SINGLE_FILE).exists():
+        weight_map, shard_names = None, [SINGLE_FILE]
+    else:
+        raise K2Error(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE}; is this a Hugging Face checkpoint directory?")
+    entries: dict[str, TensorEntry] = {}
+    for shard_name in shard_names:
+        shard = root / shard_name
+        if not shard.exists():
+            wanted = [n for n, s in weight_map.items() if s == shard_name]
+            raise K2Error(f"shard {shard_name} is missing from {root} ({len(wanted)} tensors, e.g. {wanted[0]}, live in it)")
+        entries.update(read_header(shard))
+    if weight_map is not None:
+        for name, shard_name in weight_map.items():
+            if name not in entries or entries[name].shard.name != shard_name:
+                raise K2Error(f"shard {shard_name} lacks tensor {name}, which {INDEX_FILE} says it holds")
+    return entries

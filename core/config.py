@@ -1,0 +1,218 @@
+"""The model configuration, read from a checkpoint's config.json and checked before use.
+
+Fields and defaults follow the released Kimi K2 config.json (DeepSeek-V3 layout). A field
+that decides a tensor's shape or the maths has no default: a checkpoint that lacks it is
+rejected with the field's name, rather than silently run with a guessed value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import K2Error
+
+SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    first_k_dense_replace: int  # layers [0, first_k_dense_replace) are dense, the rest MoE
+    intermediate_size: int  # dense MLP width
+    moe_intermediate_size: int  # width of one routed or shared expert
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int  # routing first keeps topk_group of n_group expert groups
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: str
+    topk_method: str
+    num_attention_heads: int
+    num_key_value_heads: int
+    q_lora_rank: int | None  # None: a plain q_proj instead of q_a_proj/q_b_proj
+    kv_lora_rank: int  # c: the latent the cache holds
+    qk_nope_head_dim: int  # d of the keys' non-rope part
+    qk_rope_head_dim: int  # r: rope part, one head shared by all
+    v_head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None  # YaRN: type, factor, original_max_position_embeddings, beta_*, mscale*
+    quantization_config: dict | None = None  # fp8 e4m3 with weight_block_size, or None for BF16 weights
+    hidden_act: str = "silu"
+    moe_layer_freq: int = 1
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    extra: dict = field(default_factory=dict)  # every other key of config.json, kept for round trips
+
+    # -- construction -------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        if not isinstance(raw, dict):
+            raise K2Error(f"{source}: expected a JSON object")
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise K2Error(
+                f"{source}: unsupported model_type {model_type!r}; this tool reads "
+                f"{' and '.join(SUPPORTED_MODEL_TYPES)} checkpoints"
+            )
+        known = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+        values: dict[str, Any] = {}
+        for name, f in known.items():
+            if name in raw:
+                values[name] = _coerce(name, raw[name], f.type, source)
+            elif f.default is dataclasses.MISSING and name != "q_lora_rank":
+                raise K2Error(f"{source}: missing field {name!r}")
+        values.setdefault("q_lora_rank", None)
+        values["extra"] = {k: v for k, v in raw.items() if k not in known}
+        config = cls(**values)
+        config.validate(source)
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise K2Error(f"{path}: not found; a checkpoint directory holds a config.json") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise K2Error(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(raw, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "extra"}
+        out.update(self.extra)
+        return dict(sorted(out.items()))
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with fields changed, validated again."""
+        raw = self.to_dict()
+        raw.update(changes)
+        return ModelConfig.from_dict(raw, source="config")
+
+    def validate(self, source: str = "config.json") -> None:
+        def need(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise K2Error(f"{source}: field {name!r} {why}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
+                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+                     "n_group", "topk_group", "num_attention_heads", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                     "max_position_embeddings", "moe_layer_freq"):
+            need(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be positive or null")
+        need(self.n_shared_experts >= 0, "n_shared_experts", "must not be negative")
+        need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
+             f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
+        need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
+             f"({self.num_experts_per_tok}) exceeds n_routed_experts ({self.n_routed_experts})")
+        need(self.n_routed_experts % self.n_group == 0, "n_group",
+             f"({self.n_group}) does not divide n_routed_experts ({self.n_routed_experts})")
+        need(self.topk_group <= self.n_group, "topk_group", f"({self.topk_group}) exceeds n_group ({self.n_group})")
+        per_group = self.n_routed_experts // self.n_group
+        need(self.num_experts_per_tok <= self.topk_group * per_group, "num_experts_per_tok",
+             f"({self.num_experts_per_tok}) exceeds the experts in topk_group groups ({self.topk_group * per_group})")
+        need(self.n_group == 1 or per_group >= 2, "n_group", "leaves fewer than 2 experts per group")
+        need(self.num_key_value_heads == self.num_attention_heads, "num_key_value_heads",
+             "must equal num_attention_heads for MLA")
+        need(self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim", "must be even")
+        need(self.scoring_func == "sigmoid", "scoring_func", f"is {self.scoring_func!r}; only 'sigmoid' is supported")
+        need(self.topk_method == "noaux_tc", "topk_method", f"is {self.topk_method!r}; only 'noaux_tc' is supported")
+        need(self.hidden_act == "silu", "hidden_act", f"is {self.hidden_act!r}; only 'silu' is supported")
+        need(self.moe_layer_freq == 1, "moe_layer_freq", "must be 1")
+        need(not self.attention_bias, "attention_bias", "must be false")
+        need(not self.tie_word_embeddings, "tie_word_embeddings", "must be false (Kimi K2 has its own lm_head)")
+        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
+        for name in ("bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            need(value is None or 0 <= value < self.vocab_size, name, f"({value}) is outside the vocabulary")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("type", self.rope_scaling.get("rope_type"))
+            need(kind == "yarn", "rope_scaling", f"type is {kind!r}; only 'yarn' is supported")
+            for key in ("factor", "original_max_position_embeddings"):
+                need(key in self.rope_scaling, "rope_scaling", f"lacks {key!r}")
+            need(self.rope_scaling["factor"] >= 1, "rope_scaling", "factor must be at least 1")
+        if self.quantization_config is not None:
+            q = self.quantization_config
+            need(q.get("quant_method") == "fp8", "quantization_config", f"quant_method is {q.get('quant_method')!r}; only 'fp8' is supported")
+            need(q.get("fmt", "e4m3") == "e4m3", "quantization_config", f"fmt is {q.get('fmt')!r}; only 'e4m3' is supported")
+            block = q.get("weight_block_size")
+            need(isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
+                 "quantization_config", f"weight_block_size must be two positive integers, got {block!r}")
+
+    # -- derived quantities ---------------------------------------------------------------
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        if self.quantization_config is None:
+            return None
+        rows, cols = self.quantization_config["weight_block_size"]
+        return rows, cols
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.rope_scaling is not None:
+            all_dim = self.rope_scaling.get("mscale_all_dim", 0)
+            if all_dim:
+                mscale = yarn_mscale(self.rope_scaling["factor"], all_dim)
+                scale *= mscale * mscale
+        return scale
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature: 0.1 * mscale * ln(factor) + 1 (1 when not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _coerce(name: str, value: Any, annotation: Any, source: str) -> Any:
+    """Checks a JSON value against the field's annotation (strings under `from __future__`)."""
+    kind = str(annotation)
+    if value is None and "None" in kind:
+        return None
+    if kind.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise K2Error(f"{source}: field {name!r} must be an integer, got {value!r}")
+        return value
+    if kind.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise K2Error(f"{source}: field {name!r} must be a number, got {value!r}")
+        return float(value)
+    if kind.startswith("bool"):
+        if not isinstance(value, bool):
+            raise K2Error(f"{source}: field {name!r} must be true or false, got {value!r}")
+        return value
+    if kind.startswith("str"):
+        if not isinstance(value, str):
+            raise K2Error(f"{source}: field {name!r} must be a string, got {value!r}")
+        return value
+    if kind.startswith("dict"):
+        if not isinstance(value, dict):
+            raise K2Error(f"{source}: field {name!r} must be an object, got {value!r}")
+        return value
+    return value

@@ -1,0 +1,61 @@
+"""Parameter counts and KV-cache bytes: from the config by formula, and from tensor headers.
+
+The two must agree for every checkpoint this project writes (a test holds them together);
+the header count is what `inspect` reports for a checkpoint it did not write.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int
+    active_per_token: int  # embedding and head included; routed experts counted k of E
+
+
+def attention_parameters(c: ModelConfig) -> int:
+    if c.q_lora_rank is None:
+        q = c.hidden_size * c.num_attention_heads * c.qk_head_dim
+    else:
+        q = c.hidden_size * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * c.num_attention_heads * c.qk_head_dim
+    kv = c.hidden_size * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+    kv += c.kv_lora_rank * c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    out = c.num_attention_heads * c.v_head_dim * c.hidden_size
+    return q + kv + out
+
+
+def expert_parameters(c: ModelConfig) -> int:
+    return 3 * c.hidden_size * c.moe_intermediate_size
+
+
+def count_parameters(c: ModelConfig) -> ParameterCount:
+    """Every stored tensor but the FP8 block scales."""
+    embedding_and_head = 2 * c.vocab_size * c.hidden_size + c.hidden_size
+    total = active = embedding_and_head
+    for layer in range(c.num_hidden_layers):
+        common = 2 * c.hidden_size + attention_parameters(c)
+        if not c.is_moe_layer(layer):
+            dense = common + 3 * c.hidden_size * c.intermediate_size
+            total, active = total + dense, active + dense
+            continue
+        shared = common + c.n_routed_experts * (c.hidden_size + 1) + c.n_shared_experts * expert_parameters(c)
+        total += shared + c.n_routed_experts * expert_parameters(c)
+        active += shared + c.num_experts_per_tok * expert_parameters(c)
+    return ParameterCount(total, active)
+
+
+def kv_cache_bytes_per_token(c: ModelConfig) -> dict[str, int]:
+    """Bytes one token occupies in one layer's cache, by cache format."""
+    return {
+        # keys [h, nope + rope] and values [h, v], as a plain MHA cache would hold them
+        "bf16_decompressed": c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * 2,
+        # c_kv [c] and k_pe [r]
+        "bf16_latent": (c.kv_lora_rank + c.qk_rope_head_dim) * 2,
+        # c_kv as e4m3 with one float32 scale per 128 values, k_pe in BF16
+        "fp8_latent": c.kv_lora_rank + 4 * math.ceil(c.kv_lora_rank / 128) + c.qk_rope_head_dim * 2,
+    }

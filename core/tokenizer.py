@@ -1,0 +1,353 @@
+"""Kimi K2's tokenizer in Moonshot's own on-disk format, without torch or transformers.
+
+A Kimi checkpoint carries two files: ``tiktoken.model`` (one ``base64(token bytes) rank``
+line per mergeable rank) and ``tokenizer_config.json`` (the special tokens, by id, and the
+chat template). The 256 ids after the last rank are special tokens; ids that
+``added_tokens_decoder`` does not name are ``<|reserved_token_{id}|>``. ``write_tokenizer``
+produces a small tokenizer in that layout for synthetic checkpoints; ``KimiTokenizer``
+loads it or the real Kimi-K2-Instruct files.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import jinja2
+import tiktoken
+from jinja2.sandbox import SandboxedEnvironment
+
+from .errors import K2Error
+
+TIKTOKEN_FILE = "tiktoken.model"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
+NUM_SPECIAL = 256
+MIN_VOCAB = 512
+
+# Kimi's pre-tokenizer split: Han runs, cased letter runs with English contractions,
+# digits in threes, punctuation, then whitespace.
+PAT_STR = "|".join(
+    [
+        r"[\p{Han}]+",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"
+        r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}",
+        r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+        r"\s*[\r\n]+",
+        r"\s+(?!\S)",
+        r"\s+",
+    ]
+)
+
+# Named special tokens by offset from the first special id, as in Kimi-K2-Instruct
+# (163584 + offset); the other offsets are reserved.
+NAMED_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+    17: "<|im_middle|>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
+# Kimi marks the tool-call markers "special": false so a decode that skips specials keeps them.
+_NOT_SKIPPED = {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"}
+_ADDITIONAL_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
+                        "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
+
+DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
+
+# Kimi-K2-Instruct's own template, rendered as Hugging Face does, leaves a newline after
+# the default system turn (and only there); this one reproduces that string exactly.
+CHAT_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>{{ '\\n' }}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'user' -%}<|im_user|>"
+    "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
+    "{%- else -%}<|im_system|>"
+    "{%- endif -%}"
+    "{{ message.get('name') or message['role'] }}<|im_middle|>{{ message['content'] or '' }}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+_CORPUS = """\
+The harbour town wakes before the sun. Fishing boats leave the quay one after another,
+their engines coughing in the cold air, and the gulls follow them out past the lighthouse.
+By the time the bakery opens its shutters, the first crates of mackerel and cod are
+already being carried up the stone steps to the market hall.
+
+In the afternoon the wind usually turns. Children run along the sea wall with kites,
+old men argue about the weather on the bench outside the post office, and the ferry from
+the island arrives twenty minutes late, as it has done every day for the last ten years.
+Nobody minds very much; there is always another cup of tea, and the view is the same.
+
+Learning a language is a little like learning a town. At first every street looks new
+and every sign is a puzzle. Then the patterns begin to repeat: the same words return in
+different places, the same endings close the same kinds of sentences, and what once needed
+careful thought becomes something you simply read without noticing that you are reading.
+
+A computer that reads text does something similar. It starts with single letters and
+learns which pairs appear together most often, then joins them into larger pieces, then
+joins those pieces again. After enough rounds the common words of the language are whole
+tokens, while rare names and numbers like 1,234 or 2025 are still spelled out in parts.
+
+When the evening comes, the lights of the harbour are reflected in the water, the boats
+return with the tide, and the town settles into the quiet that it has known for centuries.
+Tomorrow the gulls will be waiting again, and the whole story will begin once more.
+"""
+
+# An ASCII stand-in for PAT_STR (which needs a Unicode-aware regex engine) that splits
+# the English corpus the same way, so learned merges never span a Kimi split boundary.
+_CORPUS_SPLIT = re.compile(r"[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s+")
+
+
+def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+    """Write ``tiktoken.model`` and ``tokenizer_config.json`` for a model with ``vocab_size`` ids."""
+    if vocab_size < MIN_VOCAB:
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for a Kimi tokenizer: it needs at least "
+            f"{MIN_VOCAB} ids (256 single bytes plus {NUM_SPECIAL} special tokens)"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    first_special = vocab_size - NUM_SPECIAL
+    ranks = _build_ranks(first_special)
+    lines = (f"{base64.b64encode(token).decode('ascii')} {rank}\n" for rank, token in enumerate(ranks))
+    (out / TIKTOKEN_FILE).write_text("".join(lines), encoding="ascii")
+    config = _config(first_special)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _build_ranks(count: int) -> list[bytes]:
+    """The 256 single bytes, then merges learned from the corpus, then unique fillers."""
+    ranks = [bytes([b]) for b in range(256)]
+    ranks += _learn_merges(_CORPUS, count - len(ranks))
+    ranks += _fillers(set(ranks), count - len(ranks))
+    return ranks
+
+
+def _learn_merges(text: str, limit: int) -> list[bytes]:
+    """Byte-pair merges, most frequent pair first (ties broken by the pair's bytes)."""
+    words = [([bytes([b]) for b in word.encode("utf-8")], n)
+             for word, n in Counter(_CORPUS_SPLIT.findall(text)).items()]
+    merges: list[bytes] = []
+    while len(merges) < limit:
+        pairs: Counter[tuple[bytes, bytes]] = Counter()
+        for parts, n in words:
+            for pair in zip(parts, parts[1:]):
+                pairs[pair] += n
+        if not pairs:
+            break
+        (left, right), seen = max(pairs.items(), key=lambda item: (item[1], item[0]))
+        if seen < 2:
+            break
+        merges.append(left + right)
+        words = [(_merge(parts, left, right), n) for parts, n in words]
+    return merges
+
+
+def _merge(parts: list[bytes], left: bytes, right: bytes) -> list[bytes]:
+    out: list[bytes] = []
+    i = 0
+    while i < len(parts):
+        if i + 1 < len(parts) and parts[i] == left and parts[i + 1] == right:
+            out.append(left + right)
+            i += 2
+        else:
+            out.append(parts[i])
+            i += 1
+    return out
+
+
+def _fillers(taken: set[bytes], count: int) -> list[bytes]:
+    """``count`` byte strings of two then three bytes, in byte order, not already taken."""
+    candidates = (bytes(c) for length in (2, 3) for c in itertools.product(range(256), repeat=length))
+    return list(itertools.islice((c for c in candidates if c not in taken), count))
+
+
+def _config(first_special: int) -> dict:
+    decoder = {
+        str(first_special + offset): {
+            "content": name,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": name not in _NOT_SKIPPED,
+        }
+        for offset, name in NAMED_SPECIALS.items()
+    }
+    return {
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": _ADDITIONAL_SPECIALS,
+        "bos_token": "[BOS]",
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "tokenizer_class": "TikTokenTokenizer",
+        "unk_token": "[UNK]",
+    }
+
+
+# Hugging Face renders chat templates with these settings; matching them keeps the real
+# Kimi templates' whitespace. The plain sandbox (not the immutable one) lets Kimi's
+# tool-call templates append to their namespace lists.
+_JINJA = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+# Jinja's own tojson HTML-escapes and takes no separators; Kimi's templates expect json.dumps.
+_JINJA.filters["tojson"] = lambda value, **kwargs: json.dumps(value, ensure_ascii=False, **kwargs)
+
+
+class KimiTokenizer:
+    """Encodes and decodes text, and renders chats, as Kimi K2's own tokenizer does."""
+
+    def __init__(self, ranks: dict[bytes, int], special_ids: dict[str, int], bos_token: str,
+                 eos_token: str, chat_template: jinja2.Template | None) -> None:
+        self.special_ids = special_ids
+        self.bos_id = special_ids[bos_token]
+        self.eos_id = special_ids[eos_token]
+        self.stop_ids = tuple(i for i in (self.eos_id, special_ids.get("<|im_end|>")) if i is not None)
+        self._bos_token = bos_token
+        self._eos_token = eos_token
+        self._template = chat_template
+        self._encoding = tiktoken.Encoding(
+            name="kimi", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=special_ids
+        )
+        self.vocab_size = self._encoding.n_vocab
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> KimiTokenizer:
+        """Load ``tiktoken.model`` and ``tokenizer_config.json`` from a checkpoint folder."""
+        folder = Path(path)
+        ranks = _read_ranks(folder / TIKTOKEN_FILE)
+        config_path = folder / CONFIG_FILE
+        config = _read_config(config_path)
+        special_ids = _special_ids(config_path, config, first=len(ranks))
+        bos_token = _token_name(config_path, config, "bos_token", "[BOS]", special_ids)
+        eos_token = _token_name(config_path, config, "eos_token", "[EOS]", special_ids)
+        template = _read_template(folder, config_path, config)
+        return cls(ranks, special_ids, bos_token, eos_token, template)
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids for ``text``; special-token names in it are plain text unless allowed."""
+        if allow_special:
+            return self._encoding.encode(text, allowed_special="all")
+        return self._encoding.encode(text, disallowed_special=())
+
+    def decode(self, ids: list[int]) -> str:
+        """Text for ``ids``; special tokens come back as their names."""
+        return self._encoding.decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a chat, rendered with the checkpoint's own template."""
+        if self._template is None:
+            raise K2Error(
+                f"{CONFIG_FILE} has no chat_template (and there is no {TEMPLATE_FILE}); "
+                "copy the model's tokenizer_config.json or regenerate the synthetic tokenizer"
+            )
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._bos_token,
+            eos_token=self._eos_token,
+        )
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of the rendered chat, ending in the assistant's generation prompt."""
+        return self.encode(self.apply_chat_template(messages), allow_special=True)
+
+
+def _error(path: Path, problem: str) -> K2Error:
+    return K2Error(f"{path}: {problem}; copy {path.name} unchanged from the model's Hugging Face "
+                   "repository or regenerate the synthetic tokenizer")
+
+
+def _read_ranks(path: Path) -> dict[bytes, int]:
+    try:
+        lines = path.read_bytes().splitlines()
+    except FileNotFoundError:
+        raise _error(path, "not found") from None
+    except OSError as e:
+        raise _error(path, f"cannot be read ({e.strerror})") from None
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except ValueError:
+            raise _error(path, f"line {number} is not '<base64 bytes> <rank>'") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise _error(path, "its ranks are not 0, 1, 2, ... with each token and rank once")
+    if any(bytes([b]) not in ranks for b in range(256)):
+        raise _error(path, "it lacks some of the 256 single-byte tokens")
+    return ranks
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _error(path, "not found") from None
+    except OSError as e:
+        raise _error(path, f"cannot be read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise _error(path, f"is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise _error(path, "is not a JSON object")
+    return config
+
+
+def _special_ids(path: Path, config: dict, first: int) -> dict[str, int]:
+    """Name -> id for the 256 ids after the last rank; Kimi ignores entries outside them."""
+    try:
+        named = {int(i): entry["content"] for i, entry in config.get("added_tokens_decoder", {}).items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        raise _error(path, 'added_tokens_decoder is not {"<id>": {"content": ...}}') from None
+    ids = range(first, first + NUM_SPECIAL)
+    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
+
+
+def _token_name(path: Path, config: dict, key: str, default: str, special_ids: dict[str, int]) -> str:
+    value = config.get(key) or default
+    # Hugging Face may store a token as a serialised AddedToken rather than a string.
+    name = value.get("content") if isinstance(value, dict) else value
+    if name not in special_ids:
+        raise _error(path, f"{key} {name!r} is not one of the special tokens")
+    return name
+
+
+def _read_template(folder: Path, config_path: Path, config: dict) -> jinja2.Template | None:
+    """The chat template from the config, else from chat_template.jinja as newer Kimi repos ship it."""
+    source, path = config.get("chat_template"), config_path
+    if source is None and (folder / TEMPLATE_FILE).is_file():
+        path = folder / TEMPLATE_FILE
+        source = path.read_text(encoding="utf-8")
+    if source is None:
+        return None
+    try:
+        return _JINJA.from_string(source)
+    except (jinja2.TemplateSyntaxError, TypeError) as e:
+        raise _error(path, f"its chat template does not parse ({e})") from None

@@ -1,0 +1,196 @@
+"""The eager PyTorch reference of the Kimi K2 / DeepSeek-V3 architecture, in float32.
+
+Modules are named after the paper (MLA, Gate, MoE, Block) and their parameters after the
+checkpoint's tensors, so that `model.layers.{i}.` + a parameter name is the tensor it holds.
+Routed experts are the exception: they are stacked into [e, ...] tensors.
+
+`Block.forward` has no data-dependent Python control flow: it is what the exporter traces.
+Shapes: b batch, s new positions, t all key positions (cached + new), h heads, c latent,
+r rope, d head dim, e experts, k chosen experts, m hidden, f expert width.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .rope import Rope
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def linear(in_features: int, out_features: int) -> nn.Linear:
+    return nn.Linear(in_features, out_features, bias=False)
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention. The cache holds c_kv [c] (normalised) and k_pe [r] (roped) per token.
+
+    absorb=False decompresses per-head keys and values from the latent (the naive form);
+    absorb=True folds W_UK into the query and W_UV into the output and attends over the latent.
+    """
+
+    def __init__(self, config: ModelConfig, absorb: bool = False):
+        super().__init__()
+        c = config
+        self.heads, self.nope, self.rope_dim, self.v_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.latent_dim = c.kv_lora_rank
+        self.absorb = absorb
+        self.softmax_scale = c.softmax_scale
+        if c.q_lora_rank is None:
+            self.q_proj = linear(c.hidden_size, self.heads * c.qk_head_dim)
+        else:
+            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
+        self.o_proj = linear(self.heads * self.v_dim, c.hidden_size)
+        self.rotary = Rope(c)
+
+    def project_query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x, positions, past_latent, past_rope, mask):
+        """x [b, s, m], positions [b, s], past_latent [b, t0, c], past_rope [b, t0, r],
+        mask [b, s, t0 + s] (True: may attend) -> out [b, s, m], new_latent [b, s, c], new_rope [b, s, r]."""
+        b, s, _ = x.shape
+        q = self.project_query(x).view(b, s, self.heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        q_pe = self.rotary(q_pe, positions)
+        new_latent, new_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        new_latent = self.kv_a_layernorm(new_latent)
+        new_rope = self.rotary(new_rope, positions)
+        latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t, c]
+        rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t, r]
+
+        w_kv = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent_dim)
+        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, d, c] each
+        rope_scores = torch.einsum("bshr,btr->bsht", q_pe, rope)
+        if self.absorb:
+            q_latent = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+            scores = torch.einsum("bshc,btc->bsht", q_latent, latent) + rope_scores
+        else:
+            k_nope = torch.einsum("btc,hdc->bthd", latent, w_uk)
+            scores = torch.einsum("bshd,bthd->bsht", q_nope, k_nope) + rope_scores
+        scores = scores * self.softmax_scale
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        if self.absorb:
+            out_latent = torch.einsum("bsht,btc->bshc", probs, latent)
+            out = torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
+        else:
+            values = torch.einsum("btc,hdc->bthd", latent, w_uv)
+            out = torch.einsum("bsht,bthd->bshd", probs, values)
+        return self.o_proj(out.reshape(b, s, self.heads * self.v_dim)), new_latent, new_rope
+
+
+class MLP(nn.Module):
+    """SwiGLU: the dense layers' MLP and the shared expert."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = linear(hidden, width), linear(hidden, width), linear(width, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Gate(nn.Module):
+    """Sigmoid routing with an auxiliary-loss-free correction bias (noaux_tc).
+
+    The bias only chooses experts; the weights come from the unbiased scores.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.weight = nn.Parameter(torch.zeros(c.n_routed_experts, c.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(c.n_routed_experts))
+        self.top_k, self.n_group, self.topk_group = c.num_experts_per_tok, c.n_group, c.topk_group
+        self.normalise, self.scaling = c.norm_topk_prob, c.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, m] -> route_weights [n, k], expert_ids [n, k]."""
+        scores = torch.sigmoid(F.linear(x, self.weight))  # [n, e]
+        choice = scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(x.shape[0], self.n_group, -1)  # [n, groups, e / groups]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice = grouped.masked_fill(kept[..., None] == 0, float("-inf")).flatten(1)
+        expert_ids = choice.topk(self.top_k, dim=-1).indices
+        route_weights = scores.gather(1, expert_ids)
+        if self.normalise:
+            route_weights = route_weights / (route_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return route_weights * self.scaling, expert_ids
+
+
+class MoE(nn.Module):
+    """Routed experts (stacked [e, ...]) plus the shared expert.
+
+    The reference runs every expert on every token and weighs the outputs by the dense
+    routing matrix: simple and exportable, though its cost follows e, not k.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        e, f, m = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
+        self.gate = Gate(c)
+        self.experts_gate_proj = nn.Parameter(torch.zeros(e, f, m))
+        self.experts_up_proj = nn.Parameter(torch.zeros(e, f, m))
+        self.experts_down_proj = nn.Parameter(torch.zeros(e, m, f))
+        self.shared_experts = MLP(m, f * c.n_shared_experts) if c.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # [n, m]
+        route_weights, expert_ids = self.gate(x)
+        combine = torch.zeros(x.shape[0], self.experts_gate_proj.shape[0], dtype=x.dtype).scatter(1, expert_ids, route_weights)
+        hidden = F.silu(torch.einsum("nm,efm->nef", x, self.experts_gate_proj)) * torch.einsum("nm,efm->nef", x, self.experts_up_proj)
+        routed = torch.einsum("ne,nef,emf->nm", combine, hidden, self.experts_down_proj)
+        if self.shared_experts is not None:
+            routed = routed + self.shared_experts(x)
+        return routed.view(shape)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, absorb: bool = False):
+        super().__init__()
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = MLA(c, absorb=absorb)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MoE(c) if c.is_moe_layer(layer) else MLP(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x, positions, past_latent, past_rope, mask):
+        """x [b, s, m] -> x [b, s, m], new_latent [b, s, c], new_rope [b, s, r] (see MLA.forward)."""
+        attended, new_latent, new_rope = self.self_attn(self.input_layernorm(x), positions, past_latent, past_rope, mask)
+        x = x + attended
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, new_latent, new_rope
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, absorb: bool = False):
+        super().__init__()
+        c = config
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(Block(c, i, absorb) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = linear(c.hidden_size, c.vocab_size)
