@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..plugins.routing import route
 from .rope import Rope
 
 
@@ -125,18 +126,8 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, m] -> route_weights [n, k], expert_ids [n, k]."""
-        scores = torch.sigmoid(F.linear(x, self.weight))  # [n, e]
-        choice = scores + self.e_score_correction_bias
-        if self.n_group > 1:
-            grouped = choice.view(x.shape[0], self.n_group, -1)  # [n, groups, e / groups]
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            kept = torch.zeros_like(group_scores).scatter(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
-            choice = grouped.masked_fill(kept[..., None] == 0, float("-inf")).flatten(1)
-        expert_ids = choice.topk(self.top_k, dim=-1).indices
-        route_weights = scores.gather(1, expert_ids)
-        if self.normalise:
-            route_weights = route_weights / (route_weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return route_weights * self.scaling, expert_ids
+        return route(x, self.weight, self.e_score_correction_bias, self.top_k, self.n_group, self.topk_group,
+                     self.normalise, self.scaling)
 
 
 class MoE(nn.Module):
