@@ -21,16 +21,16 @@ from .rope import Rope
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
 
 
-def linear(in_features: int, out_features: int) -> nn.Linear:
+def linear(in_features: int, out_features: int) -> nn.Module:
     return nn.Linear(in_features, out_features, bias=False)
 
 
@@ -41,7 +41,7 @@ class MLA(nn.Module):
     absorb=True folds W_UK into the query and W_UV into the output and attends over the latent.
     """
 
-    def __init__(self, config: ModelConfig, absorb: bool = False):
+    def __init__(self, config: ModelConfig, absorb: bool = False, make_linear=linear, norm_dtype=torch.float32):
         super().__init__()
         c = config
         self.heads, self.nope, self.rope_dim, self.v_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
@@ -49,15 +49,15 @@ class MLA(nn.Module):
         self.absorb = absorb
         self.softmax_scale = c.softmax_scale
         if c.q_lora_rank is None:
-            self.q_proj = linear(c.hidden_size, self.heads * c.qk_head_dim)
+            self.q_proj = make_linear(c.hidden_size, self.heads * c.qk_head_dim)
         else:
-            self.q_a_proj = linear(c.hidden_size, c.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = linear(c.q_lora_rank, self.heads * c.qk_head_dim)
-        self.kv_a_proj_with_mqa = linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
-        self.o_proj = linear(self.heads * self.v_dim, c.hidden_size)
+            self.q_a_proj = make_linear(c.hidden_size, c.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, norm_dtype)
+            self.q_b_proj = make_linear(c.q_lora_rank, self.heads * c.qk_head_dim)
+        self.kv_a_proj_with_mqa = make_linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, norm_dtype)
+        self.kv_b_proj = make_linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
+        self.o_proj = make_linear(self.heads * self.v_dim, c.hidden_size)
         self.rotary = Rope(c)
 
     def project_query(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,16 +65,20 @@ class MLA(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [b, s, m], positions [b, s] -> q_nope [b, s, h, d], q_pe [b, s, h, r] (roped),
+        new_latent [b, s, c] (normalised), new_rope [b, s, r] (roped): what the cache stores."""
+        b, s, _ = x.shape
+        q = self.project_query(x).view(b, s, self.heads, self.nope + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
+        new_latent, new_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        return q_nope, self.rotary(q_pe, positions), self.kv_a_layernorm(new_latent), self.rotary(new_rope, positions)
+
     def forward(self, x, positions, past_latent, past_rope, mask):
         """x [b, s, m], positions [b, s], past_latent [b, t0, c], past_rope [b, t0, r],
         mask [b, s, t0 + s] (True: may attend) -> out [b, s, m], new_latent [b, s, c], new_rope [b, s, r]."""
         b, s, _ = x.shape
-        q = self.project_query(x).view(b, s, self.heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        q_pe = self.rotary(q_pe, positions)
-        new_latent, new_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
-        new_latent = self.kv_a_layernorm(new_latent)
-        new_rope = self.rotary(new_rope, positions)
+        q_nope, q_pe, new_latent, new_rope = self.project(x, positions)
         latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t, c]
         rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t, r]
 
@@ -102,9 +106,11 @@ class MLA(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: the dense layers' MLP and the shared expert."""
 
-    def __init__(self, hidden: int, width: int):
+    def __init__(self, hidden: int, width: int, make_linear=linear):
         super().__init__()
-        self.gate_proj, self.up_proj, self.down_proj = linear(hidden, width), linear(hidden, width), linear(width, hidden)
+        self.gate_proj = make_linear(hidden, width)
+        self.up_proj = make_linear(hidden, width)
+        self.down_proj = make_linear(width, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

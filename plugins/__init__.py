@@ -1,1 +1,37 @@
-"""Custom ops (MoE routing and dispatch, absorbed MLA attention), each defined once with every face."""
+"""Custom ops (MoE routing, MoE dispatch, absorbed MLA attention), each defined once with every face:
+the eager implementation, the torch.library op and its fake kernel (what torch.export traces), the
+ONNX lowering to one node of the `k2deploy` domain, and the ONNX function body ONNX Runtime runs."""
+
+from __future__ import annotations
+
+import onnx
+import torch
+
+from ..config import ModelConfig
+from .experts import moe_experts, moe_experts_function, moe_experts_onnx
+from .mla import mla_attention, mla_attention_function, mla_attention_onnx
+from .onnx_domain import DOMAIN, VERSION
+from .routing import moe_route, moe_route_function, moe_route_onnx
+
+__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "onnx_functions", "translation_table"]
+
+
+def translation_table() -> dict:
+    """torch op -> ONNX lowering, for torch.onnx.export(custom_translation_table=...)."""
+    return {
+        torch.ops.k2deploy.moe_route.default: moe_route_onnx,
+        torch.ops.k2deploy.moe_experts.default: moe_experts_onnx,
+        torch.ops.k2deploy.mla_attention.default: mla_attention_onnx,
+    }
+
+
+def onnx_functions(config: ModelConfig) -> list[onnx.FunctionProto]:
+    """The function bodies of every custom node, for this model's dimensions and settings."""
+    block = config.fp8_block[0] if config.fp8_block else 128
+    return [
+        moe_route_function(config.num_experts_per_tok, config.n_group, config.topk_group, config.norm_topk_prob,
+                           config.routed_scaling_factor),
+        moe_experts_function(config.n_routed_experts, config.moe_intermediate_size, config.hidden_size, block),
+        mla_attention_function(config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
+                               config.softmax_scale),
+    ]

@@ -1,0 +1,282 @@
+"""`k2deploy export`: a checkpoint in, an artifact directory out.
+
+ART/
+  graphs/embed.onnx + .data, graphs/layer_000.onnx + .data, ..., graphs/head.onnx + .data
+  tokenizer/            the checkpoint's tokenizer files, unchanged
+  manifest.json         written last, atomically: without it the artifact does not load
+
+Each graph is renamed into place only when complete and then recorded in a journal, so an
+interrupted export resumes with its finished graphs kept. Decoder layers of one structure
+(dense or MoE) share one trace; every layer keeps its own weights in its own .data file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..checkpoint.reader import Checkpoint
+from ..config import ModelConfig
+from ..errors import K2Error
+from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record, write_json_atomically
+from .. import plugins
+from . import graph_modules as gm
+from .onnx_graph import io_spec, trace, write_graph
+
+GRAPH_DIR = "graphs"
+TOKENIZER_DIR = "tokenizer"
+JOURNAL_FILE = ".export-journal.json"
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    checkpoint: str
+    kv_cache: str = "fp8"
+    layers: tuple[int, int] | None = None  # [start, stop) of decoder layers; None: the whole model
+    opset: int = DEFAULT_OPSET
+
+
+@dataclass(frozen=True)
+class GraphJob:
+    stem: str  # file name without extension, under graphs/
+    kind: str  # embed, dense, moe, head
+    layer: int | None = None
+
+
+def cache_bytes_per_token(config: ModelConfig, cache_format: str) -> int:
+    c, r = config.kv_lora_rank, config.qk_rope_head_dim
+    if cache_format == "fp8":
+        return c + 4 * (c // gm.latent_group(config)) + 2 * r
+    return 2 * c + 2 * r
+
+
+def cache_description(config: ModelConfig, cache_format: str) -> dict:
+    fp8 = cache_format == "fp8"
+    return {
+        "format": cache_format,
+        "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]" + (", latent_scale [t, b, c / group]" if fp8 else ""),
+        "latent_dtype": "FLOAT8E4M3FN" if fp8 else "BFLOAT16",
+        "latent_scale_group": gm.latent_group(config) if fp8 else None,
+        "latent_scale_dtype": "FLOAT" if fp8 else None,
+        "rope_dtype": "FLOAT16",
+        "latent_dim": config.kv_lora_rank,
+        "rope_dim": config.qk_rope_head_dim,
+        "bytes_per_token_per_layer": cache_bytes_per_token(config, cache_format),
+    }
+
+
+def plan(config: ModelConfig, layers: tuple[int, int] | None) -> list[GraphJob]:
+    """The graphs to write: the given decoder layers, with embedding and head when that is every layer."""
+    start, stop = layers or (0, config.num_hidden_layers)
+    jobs = [GraphJob(f"layer_{i:03d}", "moe" if config.is_moe_layer(i) else "dense", i) for i in range(start, stop)]
+    if (start, stop) == (0, config.num_hidden_layers):
+        jobs = [GraphJob("embed", "embed"), *jobs, GraphJob("head", "head")]
+    return jobs
+
+
+def _meta(shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int):
+    """Traces one graph structure on the meta device: -> (ir.Model, derived initializers)."""
+    batch = torch.export.Dim("batch", min=1, max=4096)
+    seq = torch.export.Dim("seq", min=1, max=config.max_position_embeddings)
+    past = torch.export.Dim("past", min=0, max=config.max_position_embeddings)
+    b, s, t = 2, 3, 5  # distinct example sizes, so that no dimension is specialised
+    with torch.device("meta"):
+        if kind == "embed":
+            module = gm.ExportEmbedding(config)
+            traced = trace(module, (_meta((b, s), torch.int64),), {"token_ids": {0: batch, 1: seq}},
+                           ["token_ids"], ["hidden"], opset)
+            return traced, {}
+        if kind == "head":
+            module = gm.ExportHead(config)
+            traced = trace(module, (_meta((b, s, config.hidden_size)),), {"hidden": {0: batch, 1: seq}},
+                           ["hidden"], ["logits"], opset)
+            return traced, {}
+        module = gm.ExportLayer(config, config.first_k_dense_replace if kind == "moe" else 0, cache_format).eval()
+    args = [_meta((b, s, config.hidden_size)), _meta((b, s), torch.int64),
+            _meta((t, b, config.kv_lora_rank), torch.float8_e4m3fn if cache_format == "fp8" else torch.bfloat16),
+            _meta((t, b, config.qk_rope_head_dim), torch.float16)]
+    names = ["hidden", "positions", "past_latent", "past_rope"]
+    outputs = ["hidden_out", "new_latent", "new_rope"]
+    if cache_format == "fp8":
+        args.append(_meta((t, b, config.kv_lora_rank // gm.latent_group(config))))
+        names.append("past_latent_scale")
+        outputs.append("new_latent_scale")
+    dims = {"hidden": {0: batch, 1: seq}, "positions": {0: batch, 1: seq}, "past_latent": {0: past, 1: batch},
+            "past_rope": {0: past, 1: batch}, "past_latent_scale": {0: past, 1: batch}}
+    traced = trace(module, tuple(args), {n: dims[n] for n in names}, names, outputs, opset)
+    return traced, module.derived_initializers()
+
+
+class Journal:
+    """Finished graphs of an export in progress, with the options they were made with."""
+
+    def __init__(self, out: Path, options: ExportOptions):
+        self.path = out / JOURNAL_FILE
+        self.options = asdict(options)
+        data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.done: dict = data.get("done", {}) if data.get("options") == json.loads(json.dumps(self.options)) else {}
+
+    def finished(self, job: GraphJob, out: Path) -> bool:
+        records = self.done.get(job.stem)
+        return bool(records) and all((out / f).exists() and (out / f).stat().st_size == r["bytes"] for f, r in records.items())
+
+    def record(self, job: GraphJob, records: dict) -> None:
+        self.done[job.stem] = records
+        write_json_atomically(self.path, {"options": self.options, "done": self.done})
+
+
+def export_artifact(options: ExportOptions, out: Path, force: bool = False,
+                    on_progress: Callable[[int, str], None] = lambda n, what: None,
+                    on_total: Callable[[int], None] = lambda n: None) -> dict:
+    """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes."""
+    if options.kv_cache not in gm.CACHE_FORMATS:
+        raise K2Error(f"--kv-cache must be one of {', '.join(gm.CACHE_FORMATS)}, got {options.kv_cache!r}")
+    checkpoint = Checkpoint.open(options.checkpoint)
+    config = checkpoint.config
+    if config.fp8_block is None:
+        raise K2Error(f"{options.checkpoint}: export needs FP8 weights (a quantization_config with weight_block_size)")
+    if options.layers is not None:
+        start, stop = options.layers
+        if not 0 <= start < stop <= config.num_hidden_layers:
+            raise K2Error(f"--layers {start}:{stop} is outside the model's layers 0:{config.num_hidden_layers}")
+    _prepare(out, force)
+    journal = Journal(out, options)
+    graphs_dir = out / GRAPH_DIR
+    graphs_dir.mkdir(parents=True, exist_ok=True)
+    jobs = plan(config, options.layers)
+    on_total(sum(_job_bytes(checkpoint, job) for job in jobs if not journal.finished(job, out)))
+
+    traces: dict[str, tuple] = {}
+    for job in jobs:
+        if journal.finished(job, out):
+            continue
+        if job.kind not in traces:
+            traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset)
+        model, derived = traces[job.kind]
+
+        def pieces(name: str, job=job, derived=derived):
+            if name in derived:
+                return [derived[name]]
+            return [checkpoint.raw(source) for source in gm.initializer_sources(config, job.kind, job.layer, name)]
+
+        label = job.stem if job.layer is None else f"layer {job.layer + 1}/{config.num_hidden_layers}"
+        files = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
+                            on_bytes=lambda n, label=label: on_progress(n, label))
+        journal.record(job, {f"{GRAPH_DIR}/{f}": file_record(out, f"{GRAPH_DIR}/{f}") for f in files})
+
+    tokenizer_files = _copy_tokenizer(Path(options.checkpoint), out)
+    manifest = _manifest(options, config, jobs, traces, journal, tokenizer_files, out)
+    write_json_atomically(out / MANIFEST_FILE, manifest)
+    journal.path.unlink()
+    return manifest
+
+
+def _prepare(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise K2Error(f"{out} exists and is not a directory")
+    if (out / MANIFEST_FILE).exists():
+        if not force:
+            raise K2Error(f"{out} already holds an exported artifact; pass --force to export again")
+        (out / MANIFEST_FILE).unlink()  # from here on the old artifact no longer loads
+    if force:
+        shutil.rmtree(out / GRAPH_DIR, ignore_errors=True)
+        shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
+        (out / JOURNAL_FILE).unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _job_bytes(checkpoint: Checkpoint, job: GraphJob) -> int:
+    if job.kind == "embed":
+        return checkpoint.entries["model.embed_tokens.weight"].nbytes
+    if job.kind == "head":
+        return checkpoint.entries["model.norm.weight"].nbytes + checkpoint.entries["lm_head.weight"].nbytes
+    return checkpoint.layer_bytes(job.layer)
+
+
+def _copy_tokenizer(checkpoint: Path, out: Path) -> list[str]:
+    target = out / TOKENIZER_DIR
+    target.mkdir(exist_ok=True)
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (checkpoint / name).exists():
+            shutil.copyfile(checkpoint / name, target / f".{name}.partial")
+            (target / f".{name}.partial").replace(target / name)
+            copied.append(f"{TOKENIZER_DIR}/{name}")
+    return copied
+
+
+def _versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for package in ("k2deploy", "torch", "onnx", "onnxscript", "onnx-ir", "numpy"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
+
+
+def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob], traces: dict,
+              journal: Journal, tokenizer_files: list[str], out: Path) -> dict:
+    files = {f: r for records in journal.done.values() for f, r in records.items()}
+    files.update({f: file_record(out, f) for f in tokenizer_files})
+
+    def describe(job: GraphJob) -> dict:
+        model = traces[job.kind][0] if job.kind in traces else None
+        entry = {"file": f"{GRAPH_DIR}/{job.stem}.onnx", "data": f"{GRAPH_DIR}/{job.stem}.data"}
+        if job.layer is not None:
+            entry.update(layer=job.layer, structure=job.kind)
+        if model is not None:
+            entry.update(inputs=io_spec(model.graph.inputs), outputs=io_spec(model.graph.outputs))
+        return entry
+
+    described = {job.stem: describe(job) for job in jobs}
+    missing_io = [stem for stem, entry in described.items() if "inputs" not in entry]
+    for stem in missing_io:  # resumed graphs: their structure's signature is the same as a traced one's
+        kind = next(j.kind for j in jobs if j.stem == stem)
+        model = trace_kind(config, kind, options.kv_cache, options.opset)[0]
+        described[stem].update(inputs=io_spec(model.graph.inputs), outputs=io_spec(model.graph.outputs))
+    start, stop = options.layers or (0, config.num_hidden_layers)
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": "embed" in described,
+        "model_config": config.to_dict(),
+        "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint))},
+        "kv_cache": cache_description(config, options.kv_cache),
+        "opset": options.opset,
+        "custom_ops": {"domain": plugins.DOMAIN, "version": plugins.VERSION,
+                       "ops": [f.name for f in plugins.onnx_functions(config)],
+                       "implementation": "model-local ONNX functions in every graph that uses them"},
+        "graphs": {
+            "embed": described.get("embed"),
+            "layers": [described[j.stem] for j in jobs if j.layer is not None],
+            "head": described.get("head"),
+            "layer_range": [start, stop],
+            "shared_traces": "decoder layers of one structure (dense, moe) share one traced graph; "
+                             "each layer's .onnx carries its own weights in its own .data file",
+        },
+        "tokenizer": {"dir": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
+        "files": dict(sorted(files.items())),
+        "versions": _versions(),
+    }
+
+
+def _index_digest(checkpoint: Path) -> str | None:
+    index = checkpoint / "model.safetensors.index.json"
+    return hashlib.sha256(index.read_bytes()).hexdigest() if index.exists() else None

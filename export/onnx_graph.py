@@ -1,0 +1,80 @@
+"""Tracing a module to ONNX without its weights, then giving the graph its weights as external data.
+
+Modules are traced on the `meta` device (torch.export, then torch.onnx's dynamo exporter with
+the plugins' translation table), so tracing costs no weight memory. Each initializer then gets
+its bytes streamed straight from the checkpoint's memory-mapped shards into the graph's `.data`
+file: a real-size layer is exported within a few hundred MB of memory.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch
+
+from .. import plugins
+
+ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .data file
+
+
+def trace(module: torch.nn.Module, args: tuple, dynamic_shapes: dict, input_names: list[str],
+          output_names: list[str], opset: int) -> ir.Model:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module, args, dynamo=True, optimize=False, opset_version=opset, dynamic_shapes=dynamic_shapes,
+            input_names=input_names, output_names=output_names, custom_translation_table=plugins.translation_table(),
+            verbose=False,
+        )
+    return program.model
+
+
+def io_spec(values: Iterable[ir.Value]) -> list[dict]:
+    """name, ONNX dtype name and shape (ints, or names for dynamic dims) of graph inputs or outputs."""
+    return [{"name": v.name, "dtype": v.dtype.name, "shape": [d if isinstance(d, int) else str(d) for d in v.shape]}
+            for v in values]
+
+
+def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory: Path, stem: str,
+                initializer_bytes: Callable[[str], Sequence[np.ndarray]],
+                on_bytes: Callable[[int], None] = lambda n: None) -> list[str]:
+    """Writes `stem.onnx` and `stem.data` into directory, each via a temporary name renamed at the end.
+
+    initializer_bytes(name) gives the pieces whose concatenation is that initializer's data.
+    Returns the written file names.
+    """
+    data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
+    data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"
+    offset = 0
+    with open(data_partial, "wb") as f:
+        for name, value in model.graph.initializers.items():
+            pad = -offset % ALIGNMENT
+            f.write(b"\0" * pad)
+            offset += pad
+            length = 0
+            for piece in initializer_bytes(name):
+                chunk = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
+                f.write(chunk.data)
+                length += chunk.nbytes
+                on_bytes(chunk.nbytes)
+            expected = value.dtype.itemsize * math.prod(int(d) for d in value.shape)
+            if length != expected:
+                raise ValueError(f"initializer {name}: {length} bytes from the checkpoint, the graph needs {expected}")
+            value.const_value = ir.ExternalTensor(data_name, offset, length, value.dtype, shape=value.shape,
+                                                  name=name, base_dir=directory)
+            offset += length
+    proto = ir.serde.serialize_model(model)
+    for node in proto.graph.node:
+        del node.metadata_props[:]  # the tracer's per-node source notes: half the file, of no use at run time
+    proto.functions.extend(functions)
+    onnx.save(proto, graph_partial)
+    os.replace(data_partial, directory / data_name)
+    os.replace(graph_partial, directory / graph_name)
+    return [graph_name, data_name]

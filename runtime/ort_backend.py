@@ -1,0 +1,104 @@
+"""Runs an artifact's graphs with ONNX Runtime: one session per graph, stitched here.
+
+No torch: the custom nodes run as the model-local ONNX functions the artifact carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+import onnxruntime as ort
+
+from ..errors import K2Error
+from ..manifest import Manifest
+from .kv_cache import LatentCache
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
+
+
+def session_options(threads: int | None) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    if threads:
+        options.intra_op_num_threads = threads
+    return options
+
+
+def resolve_provider(name: str) -> list[str]:
+    if name not in PROVIDERS:
+        raise K2Error(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
+    available = ort.get_available_providers()
+    if PROVIDERS[name] not in available:
+        raise K2Error(f"provider {name} is not available in this onnxruntime (it offers {', '.join(available)}); "
+                      f"install onnxruntime-gpu for cuda and tensorrt")
+    return [PROVIDERS[name]] + (["CPUExecutionProvider"] if name != "cpu" else [])
+
+
+class OrtModel:
+    """The embedding, decoder layers and head of one artifact, ready to run."""
+
+    def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None):
+        if not manifest.data.get("complete"):
+            start, stop = manifest.graphs["layer_range"]
+            raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
+        self.manifest = manifest
+        self.config = manifest.config
+        self.kv_cache = manifest.kv_cache
+        providers = resolve_provider(provider)
+        options = session_options(threads)
+
+        def load(entry: dict) -> ort.InferenceSession:
+            return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers)
+
+        self.embed_session = load(manifest.graphs["embed"])
+        self.layer_sessions = [load(entry) for entry in manifest.graphs["layers"]]
+        self.head_session = load(manifest.graphs["head"])
+        self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_sessions)
+
+    def new_cache(self, batch: int, max_len: int) -> LatentCache:
+        return LatentCache(self.kv_cache, self.num_layers, batch, max_len)
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, cache: LatentCache) -> np.ndarray:
+        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the cache gains the valid entries.
+
+        Row i's cache must hold exactly positions[i, 0] tokens: its new tokens follow them.
+        """
+        started = time.perf_counter()
+        hidden = self.embed_session.run(None, {"token_ids": token_ids})[0]
+        self._timed("embed", started)
+        b, s = token_ids.shape
+        past = int(positions[:, 0].max())
+        for layer, session in enumerate(self.layer_sessions):
+            started = time.perf_counter()
+            binding = session.io_binding()
+            binding.bind_cpu_input("hidden", hidden)
+            binding.bind_cpu_input("positions", positions)
+            for name, value in cache.past_inputs(layer, past).items():
+                binding.bind_ortvalue_input(name, value)
+            hidden = np.empty_like(hidden)
+            binding.bind_ortvalue_output("hidden_out", ort.OrtValue.ortvalue_from_numpy(hidden))
+            entries = cache.new_entry_buffers(b, s)
+            for name, array in entries.items():
+                binding.bind_ortvalue_output(name, cache.ortvalue(name, array))
+            session.run_with_iobinding(binding)
+            cache.store(layer, positions, valid, entries)
+            self._timed(f"layer_{layer:03d}", started)
+        cache.lengths = np.maximum(cache.lengths, np.where(valid, positions + 1, 0).max(axis=1))
+        return hidden
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [b, s, m] -> logits [b, s, vocab] float32."""
+        started = time.perf_counter()
+        logits = self.head_session.run(None, {"hidden": hidden})[0]
+        self._timed("head", started)
+        return logits
+
+    def _timed(self, stage: str, started: float) -> None:
+        self.stage_seconds[stage] += time.perf_counter() - started
