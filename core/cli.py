@@ -37,15 +37,139 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from .checkpoint.reader import Checkpoint
-    from .inspect_checkpoint import describe_checkpoint, format_checkpoint
+    from .manifest import MANIFEST_FILE
 
-    with Checkpoint.open(args.path) as checkpoint:
-        info = describe_checkpoint(checkpoint)
-    if args.json:
-        _print_json(info)
+    if (Path(args.path) / MANIFEST_FILE).exists():
+        from .inspect_artifact import describe_artifact, format_artifact
+        from .manifest import load_manifest
+
+        info = describe_artifact(load_manifest(args.path, verify_hashes=False))
+        text = format_artifact
     else:
-        print(format_checkpoint(info))
+        from .checkpoint.reader import Checkpoint
+        from .inspect_checkpoint import describe_checkpoint, format_checkpoint
+
+        with Checkpoint.open(args.path) as checkpoint:
+            info = describe_checkpoint(checkpoint)
+        text = format_checkpoint
+    print(json.dumps(info, indent=2) if args.json else text(info))
+
+
+def _layer_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    start, sep, stop = text.partition(":")
+    try:
+        return int(start), int(stop)
+    except ValueError:
+        raise K2Error(f"--layers {text!r}: expected START:STOP, e.g. 0:4") from None
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from tqdm import tqdm
+
+    from .export.exporter import ExportOptions, export_artifact
+
+    options = ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers), opset=args.opset)
+    started = time.perf_counter()
+    with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or None, file=sys.stderr) as bar:
+        shown = [""]
+
+        def progress(nbytes: int, label: str) -> None:
+            if shown[0] != label:
+                shown[0] = label
+                bar.set_description(label)
+            bar.update(nbytes)
+
+        manifest = export_artifact(options, Path(args.out), force=args.force, on_progress=progress,
+                                   on_total=lambda total: setattr(bar, "total", total))
+    summary = {"artifact": args.out, "graphs": len(manifest["graphs"]["layers"]) + 2 * manifest["complete"],
+               "bytes": sum(r["bytes"] for r in manifest["files"].values()), "kv_cache": manifest["kv_cache"]["format"],
+               "complete": manifest["complete"], "seconds": round(time.perf_counter() - started, 1)}
+    if args.json:
+        _print_json(summary)
+    else:
+        print(f"exported {summary['graphs']} graphs ({summary['bytes'] / 1e6:.1f} MB, {summary['kv_cache']} cache) "
+              f"to {args.out} in {summary['seconds']} s")
+
+
+def _load_generator(args: argparse.Namespace):
+    from .manifest import load_manifest
+    from .runtime.generator import Generator
+    from .runtime.ort_backend import OrtModel
+
+    return Generator(OrtModel(load_manifest(args.artifact), provider=args.provider, threads=args.threads))
+
+
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise K2Error(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
+
+
+def _tokenizer(artifact: str):
+    from .tokenizer import KimiTokenizer
+
+    return KimiTokenizer.from_dir(Path(artifact) / "tokenizer")
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from .runtime.sampling import SamplingParams
+
+    tokenizer = _tokenizer(args.artifact) if (Path(args.artifact) / "tokenizer").exists() else None
+    if args.prompt is not None:
+        if tokenizer is None:
+            raise K2Error(f"{args.artifact} carries no tokenizer; pass --prompt-ids instead of --prompt")
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    else:
+        prompt = _prompt_ids(args.prompt_ids)
+    stop_ids = tuple(tokenizer.stop_ids) if tokenizer else ()
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                            max_new_tokens=args.max_new_tokens, stop_ids=stop_ids)
+    result = _load_generator(args).generate([prompt], params)[0]
+    text = tokenizer.decode(result.token_ids) if tokenizer else None
+    if args.json:
+        _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "text": text,
+                     "finish_reason": result.finish_reason, "ttft_ms": round(result.ttft_ms, 3),
+                     "tpot_ms": round(result.tpot_ms, 3)})
+    else:
+        print(text if text is not None else ",".join(map(str, result.token_ids)))
+        print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_ms:.1f} ms, "
+              f"tpot {result.tpot_ms:.1f} ms]", file=sys.stderr)
+
+
+def cmd_score(args: argparse.Namespace) -> None:
+    import numpy as np
+
+    logits = _load_generator(args).score(_prompt_ids(args.prompt_ids))
+    np.save(args.out, logits)
+    summary = {"out": args.out, "shape": list(logits.shape), "dtype": str(logits.dtype)}
+    print(json.dumps(summary) if args.json else f"wrote {args.out}: float32 logits {list(logits.shape)}")
+
+
+def cmd_quickstart(args: argparse.Namespace) -> None:
+    from .quickstart import run_quickstart
+
+    def show(row: dict) -> None:
+        if not args.json:
+            print(f"{row['step']:<24} {row['seconds']:>6.2f} s  {row['result']}")
+            if "text" in row:
+                print(f"{'':<33}text: {row['text']!r}")
+
+    result = run_quickstart(Path(args.out), on_step=show)
+    if args.json:
+        _print_json(result)
+    else:
+        print(f"passed: parity holds; the FP8 artifact is {result['artifact']}")
+
+
+def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="artifact directory written by `k2deploy export`")
+    parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                        help="ONNX Runtime execution provider (default: cpu)")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,12 +194,56 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--json", action="store_true", help="print the result as JSON")
     make.set_defaults(func=cmd_make_checkpoint)
 
-    inspect = sub.add_parser("inspect", help="summarise a checkpoint: config, parameters, bytes, KV-cache sizes",
-                             description="Read a checkpoint's config and tensor headers (no weights) and report "
-                                         "parameter counts, bytes per layer and KV-cache bytes per token.")
-    inspect.add_argument("path", help="checkpoint directory")
+    inspect = sub.add_parser("inspect", help="summarise a checkpoint or an exported artifact",
+                             description="For a checkpoint: config, parameter counts, bytes per layer and KV-cache "
+                                         "bytes per token, from the tensor headers alone. For an artifact: its graphs, "
+                                         "cache format and bytes per token, from its manifest.")
+    inspect.add_argument("path", help="checkpoint or artifact directory")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=cmd_inspect)
+
+    export = sub.add_parser("export", help="export a checkpoint to per-layer ONNX graphs with an FP8 latent cache",
+                            description="Trace the embedding, every decoder layer and the head with torch.export and "
+                                        "write them as ONNX with the checkpoint's FP8 weights as external data. "
+                                        "An interrupted export resumes where it stopped.")
+    export.add_argument("checkpoint", help="Hugging Face checkpoint directory")
+    export.add_argument("--out", required=True, help="artifact directory to write (e.g. artifacts/kimi-k2)")
+    export.add_argument("--kv-cache", choices=["fp8", "bf16"], default="fp8",
+                        help="latent cache format the graphs read and write (default: fp8, 656 bytes/token/layer on K2)")
+    export.add_argument("--layers", metavar="A:B", help="export only decoder layers A..B-1 (a partial artifact)")
+    export.add_argument("--opset", type=int, default=21, help="ONNX opset (default: 21)")
+    export.add_argument("--force", action="store_true", help="discard an existing artifact or unfinished export")
+    export.add_argument("--json", action="store_true", help="print a summary as JSON")
+    export.set_defaults(func=cmd_export)
+
+    generate = sub.add_parser("generate", help="generate tokens from an artifact (no torch needed)",
+                              description="Prefill a prompt and decode with ONNX Runtime over the FP8 latent cache.")
+    _add_runtime_arguments(generate)
+    prompt = generate.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (encoded with the artifact's tokenizer)")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
+    generate.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template as a user turn")
+    generate.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
+    generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 for all (default: 0)")
+    generate.add_argument("--seed", type=int, help="random seed for sampling")
+    generate.set_defaults(func=cmd_generate)
+
+    score = sub.add_parser("score", help="write the logits of every prompt position",
+                           description="Run one prefill and save float32 logits [prompt_len, vocab] as .npy.")
+    _add_runtime_arguments(score)
+    score.add_argument("--prompt-ids", required=True, help="prompt token ids, comma-separated")
+    score.add_argument("--out", required=True, help="output .npy file")
+    score.set_defaults(func=cmd_score)
+
+    quickstart = sub.add_parser("quickstart", help="make the tiny checkpoint, export, check parity, generate",
+                                description="The main job on the embedded default: a tiny synthetic Kimi K2 "
+                                            "checkpoint, exported with FP8 and BF16 caches, checked against the eager "
+                                            "reference, then used to generate.")
+    quickstart.add_argument("--out", default="artifacts/quickstart", help="working directory (default: artifacts/quickstart)")
+    quickstart.add_argument("--json", action="store_true", help="print the result as JSON")
+    quickstart.set_defaults(func=cmd_quickstart)
     return parser
 
 

@@ -17,3 +17,23 @@ def tiny_copy(tiny_checkpoint, tmp_path):
     import shutil
 
     return shutil.copytree(tiny_checkpoint, tmp_path / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint exported once with each cache format: {"fp8": path, "bf16": path}."""
+    pytest.importorskip("torch")
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    root = tmp_path_factory.mktemp("artifacts")
+    return {cache: export_artifact(ExportOptions(str(tiny_checkpoint), kv_cache=cache), root / cache) and root / cache
+            for cache in ("fp8", "bf16")}
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tiny_checkpoint):
+    pytest.importorskip("torch")
+    from k2deploy.checkpoint.reader import Checkpoint
+    from k2deploy.export.weights import load_transformer
+
+    return load_transformer(Checkpoint.open(tiny_checkpoint))

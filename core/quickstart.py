@@ -1,0 +1,73 @@
+"""`k2deploy quickstart`: the whole pipeline on the embedded tiny checkpoint, checked and timed.
+
+make-checkpoint -> export (FP8 and BF16 caches) -> parity against the eager reference -> generate.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .checkpoint.presets import SHARD_BYTES, preset_config
+from .checkpoint.synthetic import write_checkpoint
+from .errors import K2Error
+
+PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
+SCORE_TOLERANCE = 1e-3  # float32 ONNX Runtime against the float32 eager reference
+FP8_MIN_AGREEMENT = 0.9  # teacher-forced argmax agreement the FP8 cache must keep (see tests/test_runtime_parity.py)
+
+
+def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
+    from .checkpoint.reader import Checkpoint
+    from .export.exporter import ExportOptions, export_artifact
+    from .export.parity import report
+    from .export.weights import load_transformer
+    from .manifest import load_manifest
+    from .runtime.generator import Generator
+    from .runtime.ort_backend import OrtModel
+    from .runtime.sampling import SamplingParams
+    from .tokenizer import KimiTokenizer
+
+    rows = []
+
+    def step(name: str, started: float, **result) -> None:
+        row = {"step": name, "seconds": round(time.perf_counter() - started, 2), **result}
+        rows.append(row)
+        on_step(row)
+
+    started = time.perf_counter()
+    checkpoint_dir = write_checkpoint(out / "checkpoint", preset_config("tiny"), seed=0,
+                                      shard_bytes=SHARD_BYTES["tiny"], force=True)
+    step("make-checkpoint tiny", started, result=f"{sum(f.stat().st_size for f in checkpoint_dir.iterdir()) / 1e6:.1f} MB")
+    reference_model = load_transformer(Checkpoint.open(checkpoint_dir))
+    parity = {}
+    generators = {}
+    for cache in ("bf16", "fp8"):
+        started = time.perf_counter()
+        artifact = out / f"artifact-{cache}"
+        manifest = export_artifact(ExportOptions(str(checkpoint_dir), kv_cache=cache), artifact, force=True)
+        step(f"export ({cache} cache)", started, result=f"{len(manifest['files'])} files, "
+             f"{manifest['kv_cache']['bytes_per_token_per_layer']} cache bytes/token/layer")
+        started = time.perf_counter()
+        generators[cache] = Generator(OrtModel(load_manifest(artifact)))
+        parity[cache] = report(reference_model, generators[cache], PROMPT, 32)
+        forced = parity[cache]["teacher_forced"]
+        step(f"parity ({cache} cache)", started,
+             result=f"score max|dlogit| {parity[cache]['score_max_abs_difference']:.1e}, greedy "
+                    f"{parity[cache]['greedy_identical_tokens']}/32 identical, teacher-forced agreement "
+                    f"{forced['argmax_agreement']:.0%}, mean |dlogit| {forced['mean_abs_logit_error']:.3f}")
+    started = time.perf_counter()
+    tokenizer = KimiTokenizer.from_dir(out / "artifact-fp8" / "tokenizer")
+    generation = generators["fp8"].generate([tokenizer.encode("The quick brown fox")],
+                                            SamplingParams(max_new_tokens=24, stop_ids=tuple(tokenizer.stop_ids)))[0]
+    step("generate (fp8 cache)", started, result=f"{len(generation.token_ids)} tokens, ttft {generation.ttft_ms:.1f} ms, "
+         f"tpot {generation.tpot_ms:.1f} ms", text=tokenizer.decode(generation.token_ids))
+    failures = [cache for cache in parity if parity[cache]["score_max_abs_difference"] > SCORE_TOLERANCE]
+    if parity["bf16"]["greedy_identical_tokens"] < 32:
+        failures.append("bf16 greedy")
+    if parity["fp8"]["teacher_forced"]["argmax_agreement"] < FP8_MIN_AGREEMENT:
+        failures.append("fp8 agreement")
+    result = {"steps": rows, "parity": parity, "passed": not failures, "artifact": str(out / "artifact-fp8")}
+    if failures:
+        raise K2Error(f"parity failed ({', '.join(failures)}): {parity}")
+    return result

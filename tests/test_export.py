@@ -1,0 +1,137 @@
+"""The exporter's artifact: its manifest, its FP8 graphs, resuming, and refusing damaged artifacts."""
+
+import json
+import os
+
+import onnx
+import pytest
+
+from cli import run_cli
+from k2deploy.errors import K2Error
+from k2deploy.manifest import MANIFEST_FILE, load_manifest
+
+pytest.importorskip("torch")
+
+from k2deploy.export import exporter  # noqa: E402
+from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
+
+
+def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    data = manifest.data
+    assert data["format_version"] == 1 and data["complete"]
+    assert [g["layer"] for g in data["graphs"]["layers"]] == [0, 1, 2]
+    assert [g["structure"] for g in data["graphs"]["layers"]] == ["dense", "moe", "moe"]
+    for relative, record in data["files"].items():
+        assert (tiny_artifacts["fp8"] / relative).stat().st_size == record["bytes"] and len(record["sha256"]) == 64
+    assert {"tokenizer/tiktoken.model", "tokenizer/tokenizer_config.json"} <= set(data["files"])
+    assert data["versions"]["torch"] and data["versions"]["onnx"]
+    assert data["kv_cache"]["bytes_per_token_per_layer"] == 64 + 4 + 2 * 16
+
+
+def test_decode_graphs_take_the_cache_as_fp8_and_keep_fp8_weights(tiny_artifacts):
+    layer = onnx.load(tiny_artifacts["fp8"] / "graphs" / "layer_001.onnx", load_external_data=False)
+    inputs = {i.name: i.type.tensor_type.elem_type for i in layer.graph.input}
+    assert inputs["past_latent"] == onnx.TensorProto.FLOAT8E4M3FN
+    assert inputs["past_rope"] == onnx.TensorProto.FLOAT16
+    dims = [d.dim_param for d in layer.graph.input[2].type.tensor_type.shape.dim[:2]]
+    assert dims == ["past", "batch"]  # dynamic past length and batch
+    weights = {t.name: t for t in layer.graph.initializer}
+    assert weights["self_attn.q_a_proj.weight"].data_type == onnx.TensorProto.FLOAT8E4M3FN
+    assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights.values())
+    custom = [(n.domain, n.op_type) for n in layer.graph.node if n.domain == "k2deploy"]
+    assert sorted(custom) == [("k2deploy", "MlaAttention"), ("k2deploy", "MoeExperts"), ("k2deploy", "MoeRoute")]
+    assert {f.name for f in layer.functions} >= {"MlaAttention", "MoeExperts", "MoeRoute"}
+    # the artifact is the checkpoint's size, not four times it
+    checkpoint_bytes = sum(f.stat().st_size for f in (tiny_artifacts["fp8"] / "graphs").glob("*.data"))
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    assert checkpoint_bytes < 1.1 * sum(os.path.getsize(p) for p in _shards(manifest))
+
+
+def _shards(manifest):
+    root = manifest.data["checkpoint"]["path"]
+    return [os.path.join(root, f) for f in os.listdir(root) if f.endswith(".safetensors")]
+
+
+def test_an_interrupted_export_resumes_with_finished_graphs_kept(tiny_checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    written = []
+    real_write = exporter.write_graph
+
+    def write_then_die(model, functions, directory, stem, *args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(stem)
+        return real_write(model, functions, directory, stem, *args, **kwargs)
+
+    monkeypatch.setattr(exporter, "write_graph", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        export_artifact(ExportOptions(str(tiny_checkpoint)), out)
+    assert not (out / MANIFEST_FILE).exists()
+    with pytest.raises(K2Error, match="no manifest.json; the export is unfinished"):
+        load_manifest(out)
+    kept = {stem: (out / "graphs" / f"{stem}.data").stat().st_mtime_ns for stem in written}
+    monkeypatch.setattr(exporter, "write_graph", real_write)
+    redone = []
+    monkeypatch.setattr(exporter, "write_graph", lambda m, f, d, stem, *a, **k: redone.append(stem) or real_write(m, f, d, stem, *a, **k))
+    export_artifact(ExportOptions(str(tiny_checkpoint)), out)
+    assert redone == ["layer_001", "layer_002", "head"] and written == ["embed", "layer_000"]
+    assert {stem: (out / "graphs" / f"{stem}.data").stat().st_mtime_ns for stem in written} == kept
+    load_manifest(out)  # complete and consistent
+
+
+def test_export_refuses_to_overwrite_and_force_redoes(tiny_artifacts, tiny_checkpoint):
+    result = run_cli("export", tiny_checkpoint, "--out", tiny_artifacts["bf16"], "--kv-cache", "bf16")
+    assert result.returncode == 2 and "already holds an exported artifact; pass --force" in result.stderr
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("alter", "does not match its sha256"),
+    ("truncate", "it was altered or truncated"),
+    ("delete", "is missing"),
+    ("version", "format version 99"),
+])
+def test_a_damaged_artifact_is_a_clear_error_at_load(tiny_artifacts, tmp_path, damage, message):
+    import shutil
+
+    art = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "art")
+    target = art / "graphs" / "layer_001.data"
+    if damage == "alter":
+        data = bytearray(target.read_bytes())
+        data[100] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        os.truncate(target, 10)
+    elif damage == "delete":
+        target.unlink()
+    else:
+        manifest = json.loads((art / MANIFEST_FILE).read_text())
+        manifest["format_version"] = 99
+        (art / MANIFEST_FILE).write_text(json.dumps(manifest))
+    result = run_cli("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", "2")
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_inspect_reads_artifacts(tiny_artifacts):
+    result = run_cli("inspect", tiny_artifacts["fp8"], "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["kind"] == "artifact" and info["kv_cache_bytes_per_token_per_layer"] == 100
+    assert info["kv_cache_bytes_per_token"] == 300
+    assert "100 bytes per token per layer" in run_cli("inspect", tiny_artifacts["fp8"]).stdout
+
+
+def test_kimi_k2_attention_dimensions_cache_at_656_bytes(tmp_path):
+    """The small preset has Kimi K2's kv_lora 512 and rope 64: export one layer and read the figure back."""
+    checkpoint = tmp_path / "small"
+    made = run_cli("make-checkpoint", checkpoint, "--preset", "small", "--layers", "2",
+                   "--set", "n_routed_experts=8", "--set", "hidden_size=256", "--set", "vocab_size=1024",
+                   "--set", "bos_token_id=768", "--set", "eos_token_id=769", "--json")
+    assert made.returncode == 0, made.stderr
+    out = tmp_path / "art"
+    exported = run_cli("export", checkpoint, "--out", out, "--layers", "1:2", "--json")
+    assert exported.returncode == 0, exported.stderr
+    info = json.loads(run_cli("inspect", out, "--json").stdout)
+    assert info["kv_cache_bytes_per_token_per_layer"] == 656 and not info["complete"]
+    refused = run_cli("generate", out, "--prompt-ids", "1,2")
+    assert refused.returncode == 2 and "holds only layers 1:2" in refused.stderr
