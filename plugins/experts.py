@@ -3,7 +3,8 @@
 Expert weights stay FP8 (their e4m3 bits held as uint8 [e, rows, cols], with float32 block
 scales [e, ceil(rows/128), ceil(cols/128)]); only the chosen experts are dequantised, so a
 decode step reads k experts, not e. When a batch routes more token-expert pairs than there
-are experts (prefill), the ONNX body instead runs every expert once over all tokens.
+are experts (prefill), the ONNX body instead loops over the experts, running each once on the
+tokens routed to it.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ def moe_experts_onnx(x, expert_ids, route_weights, gate_bits, gate_scale, up_bit
                          down_scale, block=block)
 
 
-def _dequantize(b: Body, bits: str, scale: str, index: str | None, rows: int, cols: int, block: int) -> str:
-    """bits [e, rows, cols] uint8 -> float32 [*index.shape, rows, cols] (every expert when index is None)."""
-    rows_axis = 1 if index is None else 2  # an [n, k] index replaces the expert axis with two
+def _dequantize(b: Body, bits: str, scale: str, index: str | None, rows: int, cols: int, block: int,
+                index_rank: int = 0) -> str:
+    """bits [e, rows, cols] uint8 -> float32 [*index.shape, rows, cols], or [e, rows, cols] when index is None."""
+    rows_axis = 1 if index is None else index_rank
     values = b.node("Gather", b.const(E4M3_VALUES, onnx.TensorProto.FLOAT),
                     b.node("Cast", bits if index is None else b.node("Gather", bits, index, axis=0), to=onnx.TensorProto.INT32),
                     axis=0)
@@ -76,30 +78,46 @@ def _gathered_branch(f: int, m: int, block: int) -> onnx.GraphProto:
     """Decode: dequantise only the chosen experts, [n, k, rows, cols], and run them."""
     b = Body("gathered")
     x_column = b.node("Unsqueeze", "x", b.const([1, 3]))  # [n, 1, m, 1]
-    gate = b.node("MatMul", _dequantize(b, "gate_bits", "gate_scale", "expert_ids", f, m, block), x_column)  # [n, k, f, 1]
-    up = b.node("MatMul", _dequantize(b, "up_bits", "up_scale", "expert_ids", f, m, block), x_column)
+    gate = b.node("MatMul", _dequantize(b, "gate_bits", "gate_scale", "expert_ids", f, m, block, 2), x_column)  # [n, k, f, 1]
+    up = b.node("MatMul", _dequantize(b, "up_bits", "up_scale", "expert_ids", f, m, block, 2), x_column)
     hidden = b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)
-    down = b.node("MatMul", _dequantize(b, "down_bits", "down_scale", "expert_ids", m, f, block), hidden)  # [n, k, m, 1]
+    down = b.node("MatMul", _dequantize(b, "down_bits", "down_scale", "expert_ids", m, f, block, 2), hidden)  # [n, k, m, 1]
     weighted = b.node("Mul", b.node("Squeeze", down, b.const([3])), b.node("Unsqueeze", "route_weights", b.const([2])))
     y = b.node("ReduceSum", weighted, b.const([1]), keepdims=0)
     return onnx.helper.make_graph(b.nodes, "gathered", [], [_float_output(y)])
 
 
-def _dense_branch(e: int, f: int, m: int, block: int) -> onnx.GraphProto:
-    """Prefill: every expert over every token, weighted by the sparse routing matrix [n, e]."""
-    b = Body("dense")
-    x_rows = b.node("Unsqueeze", "x", b.const([0]))  # [1, n, m]
-    gate = b.node("MatMul", x_rows, b.node("Transpose", _dequantize(b, "gate_bits", "gate_scale", None, f, m, block), perm=[0, 2, 1]))
-    up = b.node("MatMul", x_rows, b.node("Transpose", _dequantize(b, "up_bits", "up_scale", None, f, m, block), perm=[0, 2, 1]))
-    hidden = b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)  # [e, n, f]
-    down = b.node("MatMul", hidden, b.node("Transpose", _dequantize(b, "down_bits", "down_scale", None, m, f, block), perm=[0, 2, 1]))
-    tokens = b.node("Slice", b.node("Shape", "x"), b.const([0]), b.const([1]))
-    zeros = b.node("ConstantOfShape", b.node("Concat", tokens, b.const([e]), axis=0),
+def _one_expert_step(f: int, m: int, block: int) -> onnx.GraphProto:
+    """Loop body: expert `expert` over the tokens routed to it, added into `total` [n, m]."""
+    b = Body("step")
+    hit = b.node("Equal", "expert_ids", "expert")  # [n, k]
+    weight = b.node("ReduceSum", b.node("Where", hit, "route_weights", b.const(0.0, onnx.TensorProto.FLOAT)),
+                    b.const([1]), keepdims=0)  # [n]
+    routed = b.node("ReduceMax", b.node("Cast", hit, to=onnx.TensorProto.INT32), b.const([1]), keepdims=0)
+    tokens = b.node("Squeeze", b.node("NonZero", routed), b.const([0]))  # [n_e]
+    chosen = b.node("Gather", "x", tokens, axis=0)  # [n_e, m]
+    gate = b.node("MatMul", chosen, b.node("Transpose", _dequantize(b, "gate_bits", "gate_scale", "expert", f, m, block)))
+    up = b.node("MatMul", chosen, b.node("Transpose", _dequantize(b, "up_bits", "up_scale", "expert", f, m, block)))
+    hidden = b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)  # [n_e, f]
+    out = b.node("MatMul", hidden, b.node("Transpose", _dequantize(b, "down_bits", "down_scale", "expert", m, f, block)))
+    out = b.node("Mul", out, b.node("Unsqueeze", b.node("Gather", weight, tokens, axis=0), b.const([1])))
+    b.rename(b.node("ScatterND", "total", b.node("Unsqueeze", tokens, b.const([1])), out, reduction="add"), "total_out")
+    b.rename("keep_going", "keep_going_out")
+    scalar = lambda name, dtype: onnx.helper.make_tensor_value_info(name, dtype, [])  # noqa: E731
+    return onnx.helper.make_graph(
+        b.nodes, "one_expert",
+        [scalar("expert", onnx.TensorProto.INT64), scalar("keep_going", onnx.TensorProto.BOOL), _float_output("total")],
+        [scalar("keep_going_out", onnx.TensorProto.BOOL), _float_output("total_out")])
+
+
+def _per_expert_branch(e: int, f: int, m: int, block: int) -> onnx.GraphProto:
+    """Prefill: a loop over the experts, each run once on the tokens routed to it; one expert's
+    weights are dequantised at a time, so memory stays at one expert whatever e is."""
+    b = Body("loop")
+    zeros = b.node("ConstantOfShape", b.node("Shape", "x"),
                    value=onnx.helper.make_tensor("value", onnx.TensorProto.FLOAT, [1], [0.0]))
-    combine = b.node("ScatterElements", zeros, "expert_ids", "route_weights", axis=1)  # [n, e]
-    per_expert = b.node("Unsqueeze", b.node("Transpose", combine, perm=[1, 0]), b.const([2]))  # [e, n, 1]
-    y = b.node("ReduceSum", b.node("Mul", down, per_expert), b.const([0]), keepdims=0)
-    return onnx.helper.make_graph(b.nodes, "dense", [], [_float_output(y)])
+    y = b.node("Loop", b.const(e), "", zeros, body=_one_expert_step(f, m, block))
+    return onnx.helper.make_graph(b.nodes, "per_expert", [], [_float_output(y)])
 
 
 def _float_output(name: str) -> onnx.ValueInfoProto:
@@ -109,8 +127,8 @@ def _float_output(name: str) -> onnx.ValueInfoProto:
 def moe_experts_function(n_experts: int, expert_width: int, hidden: int, block: int) -> onnx.FunctionProto:
     b = Body("experts")
     pairs = b.node("Size", "expert_ids")  # n * k
-    use_dense = b.node("Greater", pairs, b.const(n_experts))
-    y = b.node("If", use_dense, then_branch=_dense_branch(n_experts, expert_width, hidden, block),
+    per_expert = b.node("Greater", pairs, b.const(n_experts))
+    y = b.node("If", per_expert, then_branch=_per_expert_branch(n_experts, expert_width, hidden, block),
                else_branch=_gathered_branch(expert_width, hidden, block))
     b.rename(y, "y")
     return EXPERTS.function(b)
