@@ -172,7 +172,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         def pieces(name: str, job=job, derived=derived):
             if name in derived:
                 return [derived[name]]
-            return [checkpoint.raw(source) for source in gm.initializer_sources(config, job.kind, job.layer, name)]
+            return (chunk for source in gm.initializer_sources(config, job.kind, job.layer, name)
+                    for chunk in checkpoint.stream(source))
 
         label = job.stem if job.layer is None else f"layer {job.layer + 1}/{config.num_hidden_layers}"
         files = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,

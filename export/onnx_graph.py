@@ -8,11 +8,12 @@ file: a real-size layer is exported within a few hundred MB of memory.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 import onnx
@@ -26,6 +27,7 @@ ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .
 
 def trace(module: torch.nn.Module, args: tuple, dynamic_shapes: dict, input_names: list[str],
           output_names: list[str], opset: int) -> ir.Model:
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # notes about absent torchvision ops
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
@@ -43,7 +45,7 @@ def io_spec(values: Iterable[ir.Value]) -> list[dict]:
 
 
 def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory: Path, stem: str,
-                initializer_bytes: Callable[[str], Sequence[np.ndarray]],
+                initializer_bytes: Callable[[str], Iterable[np.ndarray]],
                 on_bytes: Callable[[int], None] = lambda n: None) -> list[str]:
     """Writes `stem.onnx` and `stem.data` into directory, each via a temporary name renamed at the end.
 

@@ -73,6 +73,10 @@ class LatentCache:
         if self.latent_scale is not None:
             self.latent_scale[layer, slots, rows] = entries["new_latent_scale"][rows, steps]
 
+    def release(self, row: int) -> None:
+        """Frees a row's slots for the next sequence (its stale entries stay masked: length 0)."""
+        self.lengths[row] = 0
+
     def ortvalue(self, name: str, array: np.ndarray) -> OrtValue:
         """An output buffer as an OrtValue of the graph's own type (e4m3 and bf16 bits have no numpy type)."""
         if name == "new_latent":

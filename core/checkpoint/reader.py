@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -70,6 +72,21 @@ class Checkpoint:
         self.bytes_read += entry.nbytes
         array = np.frombuffer(buffer, dtype=NUMPY_DTYPES[entry.dtype], count=int(np.prod(entry.shape)), offset=entry.begin)
         return array.reshape(entry.shape)
+
+    def stream(self, name: str, chunk_bytes: int = 64 << 20) -> Iterator[np.ndarray]:
+        """The stored bytes of a tensor as uint8 chunks, read with pread: nothing stays mapped or resident,
+        so copying a real-size layer costs one chunk of memory."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise K2Error(f"{self.root}: no tensor named {name}")
+        descriptor = os.open(entry.shard, os.O_RDONLY)
+        try:
+            for offset in range(entry.begin, entry.end, chunk_bytes):
+                data = os.pread(descriptor, min(chunk_bytes, entry.end - offset), offset)
+                self.bytes_read += len(data)
+                yield np.frombuffer(data, dtype=np.uint8)
+        finally:
+            os.close(descriptor)
 
     def float32(self, name: str) -> np.ndarray:
         """A tensor in float32; `*.weight` of an FP8 projection comes back dequantised."""

@@ -1,0 +1,598 @@
+"""Decode and prefill latency of the exported artifact against the eager reference and transformers.
+
+    . .venv/bin/activate && python benchmarks/decode_latency.py
+
+(the defaults: `--preset small --contexts 128,2048 --work /tmp/k2deploy-bench`; add `--json` for
+machine-readable output; about 4 minutes on 2 AMD EPYC cores, first run included, which writes
+the checkpoints and exports them; later runs reuse them).
+
+Part 1, the whole model at batch 1, for each context length T (default 128 and 2048):
+  ours       the exported artifact (ONNX Runtime, CPU, FP8 latent cache) through
+             k2deploy.runtime (OrtModel + Generator), the way the server runs it;
+  reference  the eager float32 PyTorch reference (k2deploy.export.reference, naive MLA,
+             MoE that runs every expert densely, head over every prompt position at prefill);
+  hf         Hugging Face transformers' DeepseekV3ForCausalLM (float32, eager attention and
+             experts, its own DynamicCache, head over the last position only), built from the
+             same checkpoint by tests/hf_deepseek.py; skipped with a note when transformers is absent.
+  prefill    time to first token: a prompt of T random token ids into an empty cache, to the
+             argmax of the last position's logits. Warm-up runs, then the median of repeats.
+  decode     one token into a cache holding exactly T tokens, to the argmax of its logits. After
+             each timed step the cache is rolled back to T tokens (outside the timer), so every
+             step is measured at context T; the fed tokens vary from step to step (they
+             choose different experts) and are the same for all three. Median over the steps.
+  The three run interleaved, step by step, in a rotating order, so that the machine's noise
+  falls on all of them alike; ratios (reference/ours, hf/ours) are of the medians.
+  torch and ONNX Runtime use the same number of intra-op threads (--threads, default: the
+  CPUs this process may run on).
+
+Part 2, one MoE decoder layer graph alone (`k2deploy export --layers 1:2`, FP8 cache) with the
+preset's dimensions and 16 or 384 routed experts (--moe-experts), top-k unchanged: decode of
+one token at context --moe-context (default 128), inputs bound with IOBinding as the runtime
+binds them, cache filled with random FP8 latents. The two graphs run interleaved. Their ratio
+shows whether the decode cost follows the k chosen experts or the expert count. The preset's
+own MoE layer (layer 1 of the Part 1 artifact) is timed alongside as a third point.
+
+Everything built lives under --work: checkpoints in WORK/checkpoints/NAME, artifacts in
+WORK/artifacts/NAME (the name spells preset, layers, experts and seed); present ones are
+reused when their config matches (a mismatched one is rebuilt).
+
+Timings are wall clock (time.perf_counter) on a shared machine: absolute figures move from run
+to run, the side-by-side ratios much less. Peak memory on `small`: about 3 GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+FP8_ONNX_TYPE = 17  # TensorProto.FLOAT8E4M3FN
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def summary(samples_s: list[float]) -> dict:
+    ms = sorted(s * 1e3 for s in samples_s)
+    if not ms:
+        return {}
+    q = lambda p: ms[min(len(ms) - 1, int(round(p * (len(ms) - 1))))]  # noqa: E731
+    return {"median_ms": statistics.median(ms), "min_ms": ms[0], "p10_ms": q(0.1), "p90_ms": q(0.9), "n": len(ms)}
+
+
+# -- building the checkpoints and artifacts -------------------------------------------------------------
+
+
+def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: list[str], seed: int):
+    from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config
+    from k2deploy.checkpoint.reader import Checkpoint
+    from k2deploy.checkpoint.synthetic import write_checkpoint
+
+    config = preset_config(preset, layers=layers, overrides=overrides)
+    name = f"{preset}-L{config.num_hidden_layers}-e{config.n_routed_experts}-seed{seed}"
+    path = work / "checkpoints" / name
+    if path.exists():
+        try:
+            with Checkpoint.open(path) as existing:
+                if existing.config == config:
+                    log(f"reusing checkpoint {path}")
+                    return path, config
+        except Exception as error:  # unreadable: rebuild
+            log(f"{path}: {error}")
+        log(f"{path} does not match the requested config; rewriting it")
+    log(f"writing checkpoint {path}")
+    started = time.perf_counter()
+    write_checkpoint(path, config, seed=seed, shard_bytes=SHARD_BYTES.get(preset, 1 << 28), force=True)
+    log(f"  written in {time.perf_counter() - started:.1f} s")
+    return path, config
+
+
+def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int] | None) -> Path:
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+    from k2deploy.manifest import MANIFEST_FILE
+
+    suffix = "" if layers is None else f"-layers{layers[0]}_{layers[1]}"
+    out = work / "artifacts" / f"{checkpoint.name}-fp8{suffix}"
+    manifest = out / MANIFEST_FILE
+    if manifest.exists():
+        data = json.loads(manifest.read_text())
+        expected_range = list(layers or (0, config.num_hidden_layers))
+        if (data.get("model_config") == config.to_dict() and data.get("kv_cache", {}).get("format") == "fp8"
+                and data.get("graphs", {}).get("layer_range") == expected_range):
+            log(f"reusing artifact {out}")
+            return out
+        log(f"{out} does not match; exporting again")
+    log(f"exporting {checkpoint.name} (layers {layers or 'all'}) to {out}")
+    started = time.perf_counter()
+    export_artifact(ExportOptions(str(checkpoint), kv_cache="fp8", layers=layers), out, force=True)
+    log(f"  exported in {time.perf_counter() - started:.1f} s")
+    return out
+
+
+# -- Part 1: the whole model -----------------------------------------------------------------------------
+
+
+class OursBackend:
+    name = "ours"
+
+    def __init__(self, artifact: Path, threads: int):
+        from k2deploy.manifest import load_manifest
+        from k2deploy.runtime.generator import Generator
+        from k2deploy.runtime.ort_backend import OrtModel
+
+        self.model = OrtModel(load_manifest(artifact), threads=threads)
+        self.gen = Generator(self.model)
+        self.cache = None
+        self.context = 0
+
+    def prefill(self, prompt: list[int]) -> int:
+        self.cache = self.model.new_cache(1, len(prompt) + 1)
+        logits = self.gen.prefill([prompt], self.cache)
+        self.context = len(prompt)
+        return int(logits[0].argmax())
+
+    def decode(self, token: int) -> int:
+        logits = self.gen.decode(np.array([token], dtype=np.int64), np.array([True]), self.cache)
+        return int(logits[0].argmax())
+
+    def rollback(self) -> None:
+        self.cache.lengths[:] = self.context  # the slot past T is simply overwritten by the next step
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def __init__(self, checkpoint: Path):
+        import torch
+
+        from k2deploy.checkpoint.reader import Checkpoint
+        from k2deploy.export import reference
+        from k2deploy.export.weights import load_transformer
+
+        self.torch, self.reference = torch, reference
+        with Checkpoint.open(checkpoint) as ckpt:
+            self.model = load_transformer(ckpt)
+        self.cache = None
+        self.context = 0
+
+    def prefill(self, prompt: list[int]) -> int:
+        with self.torch.inference_mode():
+            self.cache = self.reference.LatentCache(self.model, 1)
+            logits = self.reference.forward(self.model, self.torch.tensor([prompt]), self.cache)
+            self.context = len(prompt)
+            return int(logits[0, -1].argmax())
+
+    def decode(self, token: int) -> int:
+        with self.torch.inference_mode():
+            logits = self.reference.forward(self.model, self.torch.tensor([[token]]), self.cache)
+            return int(logits[0, -1].argmax())
+
+    def rollback(self) -> None:
+        self.cache.latent = [t[:, : self.context] for t in self.cache.latent]
+        self.cache.rope = [t[:, : self.context] for t in self.cache.rope]
+
+
+class HfBackend:
+    name = "hf"
+
+    def __init__(self, checkpoint: Path):
+        import torch
+        from transformers import DynamicCache
+
+        sys.path.insert(0, str(REPO / "tests"))
+        try:
+            from hf_deepseek import build_hf_model
+        finally:
+            sys.path.remove(str(REPO / "tests"))
+        from k2deploy.checkpoint.reader import Checkpoint
+
+        self.torch, self.DynamicCache = torch, DynamicCache
+        with Checkpoint.open(checkpoint) as ckpt:
+            self.model = build_hf_model(ckpt)
+        self.cache = None
+        self.context = 0
+
+    def prefill(self, prompt: list[int]) -> int:
+        with self.torch.inference_mode():
+            self.cache = self.DynamicCache(config=self.model.config)
+            out = self.model(self.torch.tensor([prompt]), cache=self.cache, use_cache=True, logits_to_keep=1)
+            self.context = len(prompt)
+            return int(out.logits[0, -1].argmax())
+
+    def decode(self, token: int) -> int:
+        with self.torch.inference_mode():
+            out = self.model(self.torch.tensor([[token]]), cache=self.cache, use_cache=True, logits_to_keep=1)
+            return int(out.logits[0, -1].argmax())
+
+    def rollback(self) -> None:
+        extra = self.cache.get_seq_length() - self.context
+        if extra:
+            self.cache.crop(-extra)  # transformers 5: a negative count of tokens to drop
+
+
+def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
+    rng = np.random.default_rng(args.seed)
+    results = {}
+    ours = next((b for b in backends if b.name == "ours"), None)
+    for context in contexts:
+        prompt = rng.integers(0, vocab, size=context).tolist()
+        feed = rng.integers(0, vocab, size=args.warmup + args.steps).tolist()
+        prefill_runs = args.prefill_warmup + args.prefill_repeats
+        # prefill, interleaved; the last one leaves each backend's cache holding the prompt
+        prefill = {b.name: [] for b in backends}
+        first_tokens = {}
+        for run in range(prefill_runs):
+            order = backends[run % len(backends):] + backends[: run % len(backends)]
+            for backend in order:  # each prefill starts from an empty cache of its own
+                gc.collect()
+                started = time.perf_counter()
+                first_tokens[backend.name] = backend.prefill(prompt)
+                elapsed = time.perf_counter() - started
+                if run >= args.prefill_warmup:
+                    prefill[backend.name].append(elapsed)
+            log(f"  T={context} prefill run {run + 1}/{prefill_runs}: "
+                + ", ".join(f"{b.name} {prefill[b.name][-1] * 1e3:.0f} ms" for b in backends if prefill[b.name]))
+        # decode at exactly T cached tokens, interleaved
+        decode = {b.name: [] for b in backends}
+        if ours is not None:
+            ours.model.stage_seconds.clear()
+        agree = {b.name: 0 for b in backends}
+        for step, token in enumerate(feed):
+            order = backends[step % len(backends):] + backends[: step % len(backends)]
+            picks = {}
+            for backend in order:
+                started = time.perf_counter()
+                picks[backend.name] = backend.decode(token)
+                elapsed = time.perf_counter() - started
+                backend.rollback()
+                if step >= args.warmup:
+                    decode[backend.name].append(elapsed)
+                if step == args.warmup - 1 and backend is ours:
+                    ours.model.stage_seconds.clear()  # count the timed steps only
+            if step >= args.warmup and ours is not None:
+                for name, pick in picks.items():
+                    agree[name] += pick == picks["ours"]
+        entry = {"context": context, "prefill": {}, "decode": {}, "first_token": first_tokens}
+        for backend in backends:
+            entry["prefill"][backend.name] = summary(prefill[backend.name])
+            entry["decode"][backend.name] = summary(decode[backend.name])
+        if ours is not None:
+            for backend in backends:
+                if backend is ours:
+                    continue
+                for part in ("prefill", "decode"):
+                    mine = prefill if part == "prefill" else decode
+                    theirs = mine[backend.name]
+                    entry[part][f"{backend.name}/ours"] = (statistics.median(theirs) / statistics.median(mine["ours"]))
+                    # the same ratio taken step by step (each pair ran back to back), then its median
+                    entry[part][f"{backend.name}/ours_paired_median"] = statistics.median(
+                        t / o for t, o in zip(theirs, mine["ours"]))
+                entry["decode"][f"{backend.name}_argmax_agreement_with_ours"] = agree[backend.name] / args.steps
+            steps = max(len(decode["ours"]), 1)
+            entry["ours_decode_stage_ms"] = {stage: round(seconds * 1e3 / steps, 3)
+                                             for stage, seconds in sorted(ours.model.stage_seconds.items())}
+        results[str(context)] = entry
+        log(f"  T={context} decode median: "
+            + ", ".join(f"{b.name} {entry['decode'][b.name]['median_ms']:.2f} ms" for b in backends))
+    return results
+
+
+# -- Part 2: one MoE layer graph -------------------------------------------------------------------------
+
+
+class LayerGraph:
+    """One exported decoder layer, run alone at batch 1 with a random FP8 cache of `context` tokens."""
+
+    def __init__(self, onnx_path: Path, config, context: int, threads: int, seed: int):
+        import ml_dtypes
+        import onnxruntime as ort
+
+        from k2deploy.export.graph_modules import latent_group
+        from k2deploy.runtime.ort_backend import session_options
+
+        self.ort = ort
+        self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(seed)
+        c, r, m = config.kv_lora_rank, config.qk_rope_head_dim, config.hidden_size
+        groups = c // latent_group(config)
+        # e4m3 codes of normal values spread over the format's range, as the cache's quantiser writes them
+        self.latent = (rng.standard_normal((context, 1, c)) * 100).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+        self.rope = rng.standard_normal((context, 1, r)).astype(np.float16)
+        self.scale = np.full((context, 1, groups), 1 / 100, dtype=np.float32)
+        self.positions = np.array([[context]], dtype=np.int64)
+        self.outputs = {
+            "hidden_out": np.empty((1, 1, m), dtype=np.float32),
+            "new_latent": np.empty((1, 1, c), dtype=np.uint8),
+            "new_rope": np.empty((1, 1, r), dtype=np.float16),
+            "new_latent_scale": np.empty((1, 1, groups), dtype=np.float32),
+        }
+
+    def step(self, hidden: np.ndarray) -> float:
+        ort = self.ort
+        started = time.perf_counter()
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("hidden", hidden)
+        binding.bind_cpu_input("positions", self.positions)
+        binding.bind_ortvalue_input("past_latent", ort.OrtValue.ortvalue_from_numpy_with_onnx_type(self.latent, FP8_ONNX_TYPE))
+        binding.bind_ortvalue_input("past_rope", ort.OrtValue.ortvalue_from_numpy(self.rope))
+        binding.bind_ortvalue_input("past_latent_scale", ort.OrtValue.ortvalue_from_numpy(self.scale))
+        for name, array in self.outputs.items():
+            value = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, FP8_ONNX_TYPE) if name == "new_latent"
+                     else ort.OrtValue.ortvalue_from_numpy(array))
+            binding.bind_ortvalue_output(name, value)
+        self.session.run_with_iobinding(binding)
+        return time.perf_counter() - started
+
+
+def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
+    rng = np.random.default_rng(args.seed + 1)
+    any_config = next(iter(graphs.values()))[1]
+    hiddens = rng.standard_normal((args.moe_warmup + args.moe_steps, 1, 1, any_config.hidden_size)).astype(np.float32)
+    runners = {}
+    for label, (path, config) in graphs.items():
+        started = time.perf_counter()
+        runners[label] = LayerGraph(path, config, args.moe_context, args.threads, args.seed)
+        log(f"  session for {label} experts loaded in {time.perf_counter() - started:.1f} s")
+    labels = list(runners)
+    times = {label: [] for label in labels}
+    for step, hidden in enumerate(hiddens):
+        order = labels[step % len(labels):] + labels[: step % len(labels)]
+        for label in order:
+            elapsed = runners[label].step(hidden)
+            if step >= args.moe_warmup:
+                times[label].append(elapsed)
+    result = {"context": args.moe_context, "layers": {}}
+    for label in labels:
+        path, config = graphs[label]
+        data = path.with_suffix(".data")
+        result["layers"][label] = {
+            "n_routed_experts": config.n_routed_experts,
+            "num_experts_per_tok": config.num_experts_per_tok,
+            "graph_weight_bytes": data.stat().st_size if data.exists() else None,
+            **summary(times[label]),
+        }
+    small, large = (str(e) for e in (min(args.moe_experts), max(args.moe_experts)))
+    if small in times and large in times and small != large:
+        result["ratio"] = {
+            "experts": f"{large}/{small}",
+            "expert_count_ratio": int(large) / int(small),
+            "weight_bytes_ratio": result["layers"][large]["graph_weight_bytes"] / result["layers"][small]["graph_weight_bytes"],
+            "decode_ms_ratio": statistics.median(times[large]) / statistics.median(times[small]),
+            "decode_ms_ratio_paired_median": statistics.median(a / b for a, b in zip(times[large], times[small])),
+        }
+    del runners
+    gc.collect()
+    return result
+
+
+# -- output ----------------------------------------------------------------------------------------------
+
+
+def print_table(report: dict) -> None:
+    meta = report["setup"]
+    print(f"k2deploy decode latency  preset={meta['preset']} layers={meta['layers']} experts={meta['n_routed_experts']} "
+          f"top-k={meta['num_experts_per_tok']}  batch 1  threads={meta['threads']} (ORT intra-op = torch)")
+    print(f"machine: {meta['cpu']}, {meta['cpus']} CPUs;  onnxruntime {meta['versions']['onnxruntime']}, "
+          f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}")
+    print(f"decode: median of {meta['steps']} steps after {meta['warmup']} warm-up, each at exactly T cached tokens; "
+          f"prefill (TTFT): median of {meta['prefill_repeats']} after {meta['prefill_warmup']} warm-up")
+    for note in report["notes"]:
+        print(f"note: {note}")
+    model = report.get("model")
+    if model:
+        names = [n for n in ("ours", "reference", "hf") if n in next(iter(model.values()))["decode"]]
+        print()
+        print("Whole model (ours = ONNX Runtime artifact, FP8 latent cache)")
+        header = f"{'T':>6} {'':10}" + "".join(f"{n + ' ms':>14}" for n in names)
+        ratios = [n for n in names if n != "ours"]
+        header += "".join(f"{n + '/ours':>16}" for n in ratios)
+        print(header)
+        for context, entry in model.items():
+            for part, label in (("decode", "decode/tok"), ("prefill", "prefill")):
+                row = f"{context:>6} {label:<10}"
+                row += "".join(f"{entry[part][n]['median_ms']:>14.2f}" for n in names)
+                row += "".join(f"{entry[part][n + '/ours']:>15.2f}x" for n in ratios)
+                print(row)
+        stage_lines = []
+        for context, entry in model.items():
+            stages = entry.get("ours_decode_stage_ms")
+            if stages:
+                layers = sum(v for k, v in stages.items() if k.startswith("layer_"))
+                per_layer = " ".join(f"{v:.2f}" for k, v in stages.items() if k.startswith("layer_"))
+                stage_lines.append(f"  T={context}: embed {stages.get('embed', 0):.2f}, layers {layers:.2f} "
+                                   f"[{per_layer}], head {stages.get('head', 0):.2f} ms/token")
+        if stage_lines:
+            print("ours, decode time by stage (layer 0 dense, the rest MoE):")
+            print("\n".join(stage_lines))
+        for context, entry in model.items():
+            agreement = {k.split("_")[0]: v for k, v in entry["decode"].items() if k.endswith("agreement_with_ours")}
+            if agreement:
+                print(f"  T={context}: decode argmax agreement with ours: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in agreement.items()))
+    moe = report.get("moe_layer")
+    if moe:
+        print()
+        print(f"One MoE layer graph alone (ONNX Runtime, FP8 cache), decode at T={moe['context']}, "
+              f"median of {meta['moe_steps']} steps after {meta['moe_warmup']} warm-up")
+        print(f"{'experts':>8} {'top-k':>6} {'weights MB':>11} {'ms/token':>10} {'p10':>8} {'p90':>8}")
+        for label, row in moe["layers"].items():
+            print(f"{label:>8} {row['num_experts_per_tok']:>6} {row['graph_weight_bytes'] / 1e6:>11.1f} "
+                  f"{row['median_ms']:>10.3f} {row['p10_ms']:>8.3f} {row['p90_ms']:>8.3f}")
+        ratio = moe.get("ratio")
+        if ratio:
+            print(f"{ratio['experts']}: {ratio['expert_count_ratio']:.0f}x the experts, "
+                  f"{ratio['weight_bytes_ratio']:.1f}x the layer's weight bytes, "
+                  f"{ratio['decode_ms_ratio']:.2f}x the decode time "
+                  f"(paired per-step median {ratio['decode_ms_ratio_paired_median']:.2f}x)")
+    print()
+    print(f"wall time {report['wall_seconds']:.0f} s (build {report['build_seconds']:.0f} s), "
+          f"peak RSS {report['peak_rss_mb']:.0f} MB")
+
+
+# -- main ------------------------------------------------------------------------------------------------
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", help="checkpoint preset (default: small)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers of the Part 1 model (default: the preset's, 4 for small: 1 dense + 3 MoE)")
+    parser.add_argument("--seed", type=int, default=0, help="checkpoint weights and prompt seed (default 0)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/k2deploy-bench"),
+                        help="where checkpoints and artifacts are written and reused (default /tmp/k2deploy-bench)")
+    parser.add_argument("--contexts", default="128,2048", help="context lengths T, comma-separated (default 128,2048)")
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per context and backend (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
+    parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per context and backend (default 3)")
+    parser.add_argument("--prefill-warmup", type=int, default=1, help="untimed prefills first (default 1)")
+    parser.add_argument("--threads", type=int, default=default_threads(),
+                        help="intra-op threads for ONNX Runtime and torch alike (default: the CPUs available, %(default)s here)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the eager reference")
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--moe-experts", default="16,384",
+                        help="routed-expert counts of the Part 2 single-layer graphs (default 16,384; empty: skip Part 2)")
+    parser.add_argument("--moe-context", type=int, default=128, help="context of the Part 2 decode steps (default 128)")
+    parser.add_argument("--moe-steps", type=int, default=100, help="timed steps per Part 2 graph (default 100)")
+    parser.add_argument("--moe-warmup", type=int, default=10, help="untimed steps per Part 2 graph first (default 10)")
+    parser.add_argument("--skip-model", action="store_true", help="skip Part 1 (the whole-model comparison)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    args = parser.parse_args(argv)
+    args.context_list = [int(x) for x in args.contexts.split(",") if x.strip()]
+    args.moe_experts = [int(x) for x in args.moe_experts.split(",") if x.strip()]
+    if args.steps < 1 or args.prefill_repeats < 1 or args.moe_steps < 1:
+        parser.error("--steps, --prefill-repeats and --moe-steps must be at least 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    import onnxruntime
+
+    from k2deploy.checkpoint.presets import preset_config
+
+    notes = []
+    torch = None
+    if not (args.no_reference and args.no_hf) and not args.skip_model:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    have_hf = importlib.util.find_spec("transformers") is not None
+    if not have_hf and not args.no_hf:
+        notes.append("transformers is not installed: the hf column is skipped")
+    want_hf = have_hf and not args.no_hf and not args.skip_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    config = preset_config(args.preset, layers=args.layers)
+    for context in args.context_list:
+        if context + 1 > config.max_position_embeddings:
+            raise SystemExit(f"context {context} exceeds the model's {config.max_position_embeddings} positions")
+    # build (or reuse) everything first
+    model_ckpt = model_art = None
+    if not args.skip_model or args.moe_experts:
+        model_ckpt, config = ensure_checkpoint(args.work, args.preset, args.layers, [], args.seed)
+        model_art = ensure_artifact(args.work, model_ckpt, config, None)
+    moe_graphs = {}
+    if args.moe_experts:
+        if config.num_hidden_layers < 2 or not config.is_moe_layer(1):
+            raise SystemExit("Part 2 needs layer 1 to be an MoE layer")
+        for experts in sorted(set(args.moe_experts)):
+            if experts == config.n_routed_experts:
+                moe_graphs[str(experts)] = (model_art / "graphs" / "layer_001.onnx", config)
+                continue
+            ckpt, moe_config = ensure_checkpoint(args.work, args.preset, 2, [f"n_routed_experts={experts}"], args.seed)
+            art = ensure_artifact(args.work, ckpt, moe_config, (1, 2))
+            moe_graphs[str(experts)] = (art / "graphs" / "layer_001.onnx", moe_config)
+        if str(config.n_routed_experts) not in moe_graphs:  # the preset's own MoE layer, a third point
+            moe_graphs[str(config.n_routed_experts)] = (model_art / "graphs" / "layer_001.onnx", config)
+        moe_graphs = dict(sorted(moe_graphs.items(), key=lambda kv: int(kv[0])))
+    build_seconds = time.perf_counter() - started
+
+    report = {
+        "setup": {
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "preset": args.preset, "layers": config.num_hidden_layers, "n_routed_experts": config.n_routed_experts,
+            "num_experts_per_tok": config.num_experts_per_tok, "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size, "kv_cache": "fp8", "batch": 1, "threads": args.threads,
+            "contexts": args.context_list, "steps": args.steps, "warmup": args.warmup,
+            "prefill_repeats": args.prefill_repeats, "prefill_warmup": args.prefill_warmup,
+            "moe_steps": args.moe_steps, "moe_warmup": args.moe_warmup,
+            "cpu": cpu_model(), "cpus": os.cpu_count(), "work": str(args.work),
+            "checkpoint": str(model_ckpt) if model_ckpt else None, "artifact": str(model_art) if model_art else None,
+            "versions": {"python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
+                         "torch": torch.__version__ if torch else None,
+                         "transformers": importlib.import_module("transformers").__version__ if want_hf else None,
+                         "numpy": np.__version__},
+        },
+        "notes": notes,
+    }
+
+    if args.moe_experts:
+        log(f"Part 2: one MoE layer graph with {', '.join(moe_graphs)} experts at T={args.moe_context}")
+        report["moe_layer"] = bench_moe_layers(moe_graphs, args)
+
+    if not args.skip_model:
+        log("Part 1: loading the backends")
+        backends = [OursBackend(model_art, args.threads)]
+        if not args.no_reference:
+            t0 = time.perf_counter()
+            backends.append(ReferenceBackend(model_ckpt))
+            log(f"  reference loaded in {time.perf_counter() - t0:.1f} s")
+        if want_hf:
+            t0 = time.perf_counter()
+            try:
+                backends.append(HfBackend(model_ckpt))
+                log(f"  transformers model built in {time.perf_counter() - t0:.1f} s")
+            except Exception as error:  # an incompatible transformers: report, keep the rest
+                notes.append(f"transformers model could not be built ({type(error).__name__}: {error}); hf skipped")
+        gc.collect()
+        log(f"Part 1: {', '.join(b.name for b in backends)} at T = {args.contexts}")
+        report["model"] = bench_model(backends, args.context_list, config.vocab_size, args)
+        del backends
+        gc.collect()
+
+    report["build_seconds"] = build_seconds
+    report["wall_seconds"] = time.perf_counter() - started
+    report["peak_rss_mb"] = peak_rss_mb()
+    if args.json:
+        print(json.dumps(report, indent=2, default=float))
+    else:
+        print_table(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
