@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import K2Error
+from .runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
 
 
 def _print_json(obj: dict) -> None:
@@ -96,9 +97,10 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _load_generator(args: argparse.Namespace):
     from .manifest import load_manifest
     from .runtime.generator import Generator
-    from .runtime.ort_backend import OrtModel
+    from .runtime.tensorrt.factory import load_backend
 
-    return Generator(OrtModel(load_manifest(args.artifact), provider=args.provider, threads=args.threads))
+    return Generator(load_backend(args.backend, load_manifest(args.artifact), provider=args.provider,
+                                  threads=args.threads))
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -170,6 +172,7 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ONNX Runtime execution provider (default: cpu)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_backend_argument(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -215,6 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--force", action="store_true", help="discard an existing artifact or unfinished export")
     export.add_argument("--json", action="store_true", help="print a summary as JSON")
     export.set_defaults(func=cmd_export)
+
+    add_build_engines_parser(sub)
 
     generate = sub.add_parser("generate", help="generate tokens from an artifact (no torch needed)",
                               description="Prefill a prompt and decode with ONNX Runtime over the FP8 latent cache.")

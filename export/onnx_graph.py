@@ -75,7 +75,8 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
     proto = ir.serde.serialize_model(model)
     for node in proto.graph.node:
         del node.metadata_props[:]  # the tracer's per-node source notes: half the file, of no use at run time
-    proto.functions.extend(functions)
+    used = {(node.domain, node.op_type) for node in proto.graph.node}
+    proto.functions.extend(f for f in functions if (f.domain, f.name) in used)
     onnx.save(proto, graph_partial)
     os.replace(data_partial, directory / data_name)
     os.replace(graph_partial, directory / graph_name)

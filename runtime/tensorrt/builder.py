@@ -1,0 +1,146 @@
+"""`k2deploy build-engines`: one TensorRT engine per graph of an exported artifact.
+
+For every graph the TensorRT copy (ART/graphs/<stem>.tensorrt.onnx, written by
+`k2deploy.export.tensorrt_graph`) is parsed into a strongly typed network (FP8 stays FP8 through
+its explicit Q/DQ), given two optimisation profiles (0: prefill, 1: decode) and built; the engines
+and their record go to ART/engines/<gpu>/. Engines whose record still fits (same GPU, TensorRT,
+manifest and settings, files intact) are kept, so an interrupted build resumes.
+
+Needs TensorRT (and for the plugins torch with CUDA; for the AOT kernels triton); imports them lazily.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+from ...errors import K2Error
+from ...manifest import load_manifest
+from .environment import detect_gpu, parse_gpu_option, require_tensorrt
+from .record import check_record, engines_dir, make_record, read_record, write_record
+
+PROFILES = ("prefill", "decode")  # optimisation profile 0 and 1 of every engine
+
+
+def profile_shapes(shape: list, profile: str, max_batch: int, max_seq: int) -> tuple[tuple, tuple, tuple]:
+    """(min, opt, max) of one input whose manifest shape names its dynamic dims batch, seq and past."""
+    ranges = {
+        "prefill": {"batch": (1, 1, max_batch), "seq": (1, min(128, max_seq), max_seq), "past": (0, 0, max_seq)},
+        "decode": {"batch": (1, max_batch, max_batch), "seq": (1, 1, 1), "past": (0, max_seq // 2, max_seq)},
+    }[profile]
+    dims = []
+    for dim in shape:
+        if isinstance(dim, int):
+            dims.append((dim, dim, dim))
+        elif dim in ranges:
+            dims.append(ranges[dim])
+        else:
+            raise K2Error(f"input dimension {dim!r} has no optimisation-profile range (known: batch, seq, past)")
+    return tuple(tuple(d[i] for d in dims) for i in range(3))
+
+
+def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, max_seq: int = 4096,
+                  workspace_gb: float | None = None, aot: bool = True, verbose: bool = False,
+                  on_graph: Callable[[str, str], None] = lambda stem, what: None) -> dict:
+    """Builds (or keeps) every graph's engine; returns the engine record."""
+    artifact = Path(artifact)
+    if max_batch < 1 or max_seq < 1:
+        raise K2Error("--max-batch and --max-seq must be at least 1")
+    trt = require_tensorrt()
+    manifest = load_manifest(artifact, verify_hashes=False)
+    if not manifest.data.get("complete"):
+        start, stop = manifest.graphs["layer_range"]
+        raise K2Error(f"{artifact} holds only layers {start}:{stop}; export the whole model to build engines")
+    if max_seq > manifest.config.max_position_embeddings:
+        raise K2Error(f"--max-seq {max_seq} exceeds the model's {manifest.config.max_position_embeddings} positions")
+    if aot and importlib.util.find_spec("triton") is None:
+        raise K2Error("the ahead-of-time plugin kernels need triton: pip install triton, or pass --no-aot "
+                      "(the engines then need the Python plugins at run time)")
+    info = detect_gpu(parse_gpu_option(gpu))
+    _set_device(info.index)
+
+    from ...export.tensorrt_graph import copy_path, graph_entries, write_tensorrt_copies
+    from ...plugins.tensorrt.registration import plugin_modes, register
+
+    register(aot=aot)
+    copies = write_tensorrt_copies(manifest, aot=aot)
+    out = engines_dir(artifact, info)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"max_batch": max_batch, "max_seq": max_seq, "workspace_gb": workspace_gb, "aot": aot,
+                "profiles": list(PROFILES), "strongly_typed": True}
+    kept = _reusable(out, info, trt.__version__, manifest, settings)
+    logger = trt.Logger(trt.Logger.INFO if verbose else trt.Logger.WARNING)
+    engines = {}
+    for entry in graph_entries(manifest):
+        stem = Path(entry["file"]).stem
+        onnx_path = copy_path(manifest, entry)
+        engines[stem] = {"engine": f"{stem}.engine", "onnx": copies[stem]["file"],
+                         "inputs": [i["name"] for i in entry["inputs"]],
+                         "outputs": [o["name"] for o in entry["outputs"]]}
+        if stem in kept:
+            on_graph(stem, "kept")
+            continue
+        started = time.perf_counter()
+        plan = _build_one(trt, logger, onnx_path, entry, settings)
+        partial = out / f".{stem}.engine.partial"
+        with open(partial, "wb") as f:
+            f.write(plan)
+        os.replace(partial, out / f"{stem}.engine")
+        on_graph(stem, f"built in {time.perf_counter() - started:.1f} s")
+    record = make_record(info, trt.__version__, manifest.digest, engines, settings, plugin_modes(aot), out)
+    write_record(out, record)
+    record["directory"] = str(out)
+    return record
+
+
+def _reusable(out: Path, info, version: str, manifest, settings: dict) -> set[str]:
+    try:
+        old = read_record(out)
+        check_record(old, info, version, manifest.digest, manifest.root, out)
+    except K2Error:
+        return set()
+    return set(old.get("engines", {})) if old.get("settings") == settings else set()
+
+
+def _build_one(trt, logger, onnx_path: Path, entry: dict, settings: dict) -> bytes:
+    builder = trt.Builder(logger)
+    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # TensorRT 11: always strongly typed
+    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        first = errors[0] if errors else "no reason given"
+        raise K2Error(f"TensorRT's ONNX parser refused {onnx_path.name}: {first}{more}")
+    config = builder.create_builder_config()
+    if settings["workspace_gb"]:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(settings["workspace_gb"] * (1 << 30)))
+    specs = {i["name"]: i for i in entry["inputs"]}
+    for profile_name in PROFILES:
+        profile = builder.create_optimization_profile()
+        for i in range(network.num_inputs):
+            name = network.get_input(i).name
+            if name not in specs:
+                raise K2Error(f"{onnx_path.name}: network input {name!r} is not in the manifest")
+            profile.set_shape(name, *profile_shapes(specs[name]["shape"], profile_name, settings["max_batch"],
+                                                    settings["max_seq"]))
+        config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise K2Error(f"TensorRT could not build an engine from {onnx_path.name}; run with --verbose for its log")
+    return bytes(plan)
+
+
+def _set_device(index: int) -> None:
+    try:
+        try:
+            from cuda.bindings import runtime as cudart
+        except ImportError:
+            from cuda import cudart
+        cudart.cudaSetDevice(index)
+    except Exception:  # noqa: BLE001 - without cuda-python TensorRT uses the current device
+        if index:
+            raise K2Error("--gpu N needs cuda-python (pip install cuda-python)") from None

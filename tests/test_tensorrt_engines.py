@@ -1,0 +1,206 @@
+"""The engine record checked on load, and what build-engines and --backend tensorrt say without TensorRT."""
+
+import argparse
+import json
+
+import pytest
+
+from k2deploy.errors import K2Error
+from k2deploy.runtime.tensorrt import INSTALL_HINT, GpuInfo, load_backend, require_tensorrt, tensorrt_available
+from k2deploy.runtime.tensorrt.builder import profile_shapes
+from k2deploy.runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
+from k2deploy.runtime.tensorrt.record import (
+    RECORD_FILE, check_record, engines_dir, find_engines, make_record, read_record, write_record)
+
+H200 = GpuInfo("NVIDIA H200", "9.0")
+L40S = GpuInfo("NVIDIA L40S", "8.9")
+DIGEST = "ab" * 32
+
+
+@pytest.fixture
+def built(tmp_path):
+    """A fake artifact with a fake engine folder for the H200: (artifact, folder, record)."""
+    folder = engines_dir(tmp_path, H200)
+    folder.mkdir(parents=True)
+    (folder / "embed.engine").write_bytes(b"plan")
+    record = make_record(H200, "10.13.0.35", DIGEST, {"embed": {"engine": "embed.engine", "onnx": "graphs/e.onnx"}},
+                         {"max_batch": 8}, {"MoeRoute": "aot"}, folder)
+    write_record(folder, record)
+    return tmp_path, folder, read_record(folder)
+
+
+def test_gpu_folder_names():
+    assert H200.slug == "nvidia-h200-sm90"
+    assert GpuInfo("NVIDIA GeForce RTX 4090", "8.9").slug == "nvidia-geforce-rtx-4090-sm89"
+    assert engines_dir("ART", H200).as_posix() == "ART/engines/nvidia-h200-sm90"
+
+
+def test_a_fitting_record_passes(built):
+    artifact, folder, record = built
+    assert record["engines"]["embed"]["bytes"] == 4 and len(record["engines"]["embed"]["sha256"]) == 64
+    check_record(record, H200, "10.13.0.35", DIGEST, artifact, folder)
+    assert find_engines(artifact, H200) == folder
+
+
+@pytest.mark.parametrize("gpu, version, digest, message", [
+    (L40S, "10.13.0.35", DIGEST, "built for NVIDIA H200 \\(compute capability 9.0\\), this GPU is NVIDIA L40S"),
+    (GpuInfo("NVIDIA H200", "10.0"), "10.13.0.35", DIGEST, "compute capability 10.0"),
+    (H200, "11.4.0.106", DIGEST, "built with TensorRT 10.13.0.35, this is TensorRT 11.4.0.106"),
+    (H200, "10.13.0.35", "cd" * 32, "another export"),
+])
+def test_a_record_for_something_else_is_a_clear_error(built, gpu, version, digest, message):
+    artifact, folder, record = built
+    with pytest.raises(K2Error, match=message) as caught:
+        check_record(record, gpu, version, digest, artifact, folder)
+    assert f"k2deploy build-engines {artifact}" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_altered_engines_and_records_are_refused(built):
+    artifact, folder, record = built
+    (folder / "embed.engine").write_bytes(b"other plan")
+    with pytest.raises(K2Error, match="missing or altered"):
+        check_record(record, H200, "10.13.0.35", DIGEST, artifact, folder)
+    with pytest.raises(K2Error, match="record version"):
+        check_record({**record, "format_version": 99}, H200, "10.13.0.35", DIGEST, artifact)
+    (folder / RECORD_FILE).write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(K2Error, match="not a k2deploy engine record"):
+        read_record(folder)
+
+
+def test_no_engines_for_this_gpu_names_the_ones_there_are(built):
+    artifact, _, _ = built
+    with pytest.raises(K2Error, match="no TensorRT engines for this GPU, NVIDIA L40S \\(there are engines for "
+                                      "nvidia-h200-sm90\\); build them with `k2deploy build-engines"):
+        find_engines(artifact, L40S)
+
+
+def test_profiles_cover_prefill_and_decode():
+    latent = ["past", "batch", 512]
+    assert profile_shapes(latent, "prefill", 8, 4096) == ((0, 1, 512), (0, 1, 512), (4096, 8, 512))
+    assert profile_shapes(["batch", "seq", 7168], "decode", 8, 4096) == ((1, 1, 7168), (8, 1, 7168), (8, 1, 7168))
+    with pytest.raises(K2Error, match="no optimisation-profile range"):
+        profile_shapes(["tokens"], "decode", 8, 4096)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(prog="k2deploy")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_build_engines_parser(sub)
+    run = sub.add_parser("generate")
+    add_backend_argument(run)
+    return parser.parse_args(argv)
+
+
+def test_cli_options():
+    args = _parse(["build-engines", "ART", "--max-batch", "4", "--max-seq", "2048", "--workspace", "8", "--no-aot"])
+    assert (args.artifact, args.gpu, args.max_batch, args.max_seq, args.workspace, args.no_aot) == \
+        ("ART", "auto", 4, 2048, 8.0, True)
+    assert _parse(["generate"]).backend == "onnxruntime"
+    assert _parse(["generate", "--backend", "tensorrt"]).backend == "tensorrt"
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")
+def test_without_tensorrt_build_engines_says_what_to_install(tmp_path):
+    args = _parse(["build-engines", str(tmp_path)])
+    with pytest.raises(K2Error) as caught:
+        args.func(args)
+    assert str(caught.value) == INSTALL_HINT
+    assert "pip install tensorrt" in INSTALL_HINT and "\n" not in INSTALL_HINT
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")
+def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
+    from k2deploy.manifest import load_manifest
+
+    with pytest.raises(K2Error, match="pip install tensorrt"):
+        load_backend("tensorrt", load_manifest(tiny_artifacts["fp8"]))
+
+
+def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
+    pytest.importorskip("onnxruntime")
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.ort_backend import OrtModel
+
+    model = load_backend("onnxruntime", load_manifest(tiny_artifacts["fp8"]), provider="cpu", threads=1)
+    assert isinstance(model, OrtModel)
+    with pytest.raises(K2Error, match="unknown backend"):
+        load_backend("tvm", None)
+
+
+def test_engines_build_and_match_onnxruntime(tiny_artifacts, tmp_path):
+    """Runs only where TensorRT and a GPU are: builds the tiny artifact's engines and compares logits."""
+    try:
+        require_tensorrt()
+    except K2Error as exc:
+        pytest.skip(str(exc))
+    import shutil
+
+    import numpy as np
+
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.tensorrt.builder import build_engines
+
+    artifact = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "art")
+    record = build_engines(artifact, max_batch=2, max_seq=64, workspace_gb=2)
+    assert set(record["engines"]) == {"embed", "layer_000", "layer_001", "layer_002", "head"}
+    manifest = load_manifest(artifact)
+    prompt = [1, 5, 9, 200, 7]
+    reference = Generator(load_backend("onnxruntime", manifest)).score(prompt)
+    logits = Generator(load_backend("tensorrt", manifest)).score(prompt)
+    np.testing.assert_allclose(logits, reference, atol=2e-2)
+
+
+class FakeCuda:
+    """Device memory as one bytearray: enough to check the device cache's address arithmetic here."""
+
+    def __init__(self):
+        self.memory = bytearray(1)  # address 0 stays unused
+
+    def malloc(self, nbytes):
+        address = len(self.memory)
+        self.memory.extend(bytes(max(int(nbytes), 1)))
+        return address
+
+    def memset(self, pointer, nbytes, stream):
+        self.memory[pointer:pointer + nbytes] = bytes(nbytes)
+
+    def copy_2d(self, dst, dst_pitch, src, src_pitch, width, height, stream):
+        for i in range(height):
+            self.memory[dst + i * dst_pitch:dst + i * dst_pitch + width] = \
+                self.memory[src + i * src_pitch:src + i * src_pitch + width]
+
+    def free(self, pointer):
+        pass
+
+
+def test_the_device_cache_stores_entries_where_the_host_cache_does():
+    import numpy as np
+    pytest.importorskip("onnxruntime")
+    from k2deploy.runtime.kv_cache import LatentCache
+    from k2deploy.runtime.tensorrt.backend import DeviceLatentCache
+
+    spec = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
+    layers, batch, max_len, s = 2, 3, 10, 4
+    cuda = FakeCuda()
+    device = DeviceLatentCache(spec, layers, batch, max_len, cuda, stream=None)
+    host = LatentCache(spec, layers, batch, max_len)
+    rng = np.random.default_rng(0)
+    for layer, (positions, valid) in enumerate([
+        (np.broadcast_to(np.arange(s), (batch, s)), np.arange(s)[None] < np.array([[4], [2], [3]])),  # ragged prefill
+        (np.array([[4, 5, 6, 7], [2, 3, 9, 9], [3, 4, 5, 6]]), np.array([[1, 1, 0, 1], [1, 1, 0, 0], [0, 1, 1, 1]],
+                                                                         dtype=bool)),  # runs with gaps
+    ]):
+        entries = {"new_latent": rng.integers(0, 255, (batch, s, 8), dtype=np.uint8),
+                   "new_rope": rng.standard_normal((batch, s, 4)).astype(np.float16),
+                   "new_latent_scale": rng.random((batch, s, 2)).astype(np.float32)}
+        host.store(layer, positions, valid, entries)
+        pointers = {}
+        for name, array in entries.items():
+            address = pointers[name.removeprefix("new_")] = cuda.malloc(array.nbytes)
+            cuda.memory[address:address + array.nbytes] = array.tobytes()
+        device.store(layer, positions, valid, pointers)
+    for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
+        start = device.buffers[name].pointer
+        stored = np.frombuffer(bytes(cuda.memory[start:start + array.nbytes]), dtype=array.dtype).reshape(array.shape)
+        np.testing.assert_array_equal(stored, array, err_msg=name)
