@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import K2Error
+from .runtime.serve.cli import add_serve_parser
 from .runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
 
 
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     quickstart.add_argument("--out", default="artifacts/quickstart", help="working directory (default: artifacts/quickstart)")
     quickstart.add_argument("--json", action="store_true", help="print the result as JSON")
     quickstart.set_defaults(func=cmd_quickstart)
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -1,0 +1,237 @@
+"""The HTTP routes (Starlette): OpenAI's models, completions and chat completions, /health and /metrics.
+
+Handlers check and tokenise a request, hand it to the engine and relay its updates, as one
+JSON response or as server-sent events. The engine's thread delivers updates into the
+handler's asyncio queue with call_soon_threadsafe. A client that goes away marks its request
+cancelled; the engine frees its slot at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import jinja2
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ...errors import K2Error
+from ...tokenizer import KimiTokenizer
+from ..sampling import SamplingParams
+from .engine import Engine
+from .metrics import ServerMetrics
+from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, max_new_tokens, models_list, parse_json,
+                       parse_options, sse, usage)
+from .requests import GenerationRequest, Update
+from .scheduler import QueueFull
+
+OPEN_ROUTES = {"/health"}  # reachable without the API key
+RETRY_AFTER_S = "1"
+
+
+class Service:
+    """What the routes serve: the engine, the artifact's tokenizer and the model's name."""
+
+    def __init__(self, engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.metrics = metrics
+        self.created = int(time.time())
+
+    async def health(self, request: Request) -> Response:
+        if self.engine.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "the engine thread has stopped"}, status_code=503)
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=self.metrics.content_type)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse(models_list(self.model_name, self.created, self.engine.context))
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        options = parse_options(parse_json(await request.body()), chat)
+        if options.model != self.model_name:
+            raise bad_request(f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
+                              param="model", code="model_not_found")
+        prompt_ids = self.prompt_ids(options)
+        params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+                                max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
+                                stop_ids=tuple(self.tokenizer.stop_ids))
+        updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
+        loop = asyncio.get_running_loop()
+        job = GenerationRequest(prompt_ids, params, options.stop, self.tokenizer.decode,
+                                deliver=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+        try:
+            self.engine.submit(job)
+        except QueueFull:
+            raise ApiError(429, "The server is at capacity: every cache slot is taken and the queue is full. "
+                                "Retry after a moment.", type="server_busy", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        reply = Reply.new(chat, self.model_name)
+        if options.stream:
+            return GenerationStream(self.events(job, updates, reply, options.include_usage), job)
+        return await self.collect(request, job, updates, reply)
+
+    def prompt_ids(self, options: Options) -> list[int]:
+        if options.chat:
+            try:
+                return self.tokenizer.encode_chat(options.messages)
+            except (jinja2.TemplateError, K2Error) as exc:  # K2Error: the tokenizer has no chat template
+                raise bad_request(f"The chat template cannot render these messages: {exc}", param="messages") from None
+        if isinstance(options.prompt, str):
+            return self.tokenizer.encode(options.prompt)
+        vocab = self.engine.model.config.vocab_size
+        outside = [t for t in options.prompt if not 0 <= t < vocab]
+        if outside:
+            raise bad_request(f"Token id {outside[0]} in `prompt` is outside the vocabulary [0, {vocab}).",
+                              param="prompt")
+        return list(options.prompt)
+
+    async def collect(self, request: Request, job: GenerationRequest, updates: asyncio.Queue, reply: Reply) -> Response:
+        """A whole (non-streamed) answer; stops waiting, and cancels the request, if the client disconnects."""
+        watcher = asyncio.create_task(_watch_disconnect(request, job, updates))
+        try:
+            parts = []
+            while (update := await updates.get()) is not None:
+                if update.error:
+                    raise ApiError(500, update.error, type="server_error")
+                parts.append(update.text)
+                if update.finish_reason:
+                    counts = usage(len(job.prompt_ids), len(job.generated))
+                    return JSONResponse(reply.response("".join(parts), update.finish_reason, counts))
+            return Response(status_code=499)  # nobody is listening any more
+        finally:
+            watcher.cancel()
+
+    async def events(self, job: GenerationRequest, updates: asyncio.Queue, reply: Reply,
+                     include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's stream: a chunk per token (its text may be empty while a character or a possible stop
+        string is incomplete, so the first chunk marks the first token), the finish reason, [usage,] [DONE]."""
+        if reply.chat:
+            yield sse(reply.chunk("", role=True))
+        while True:
+            update = await updates.get()
+            if update.error:
+                yield sse(ApiError(500, update.error, type="server_error").body())
+                break
+            if update.finish_reason:
+                yield sse(reply.chunk(update.text, update.finish_reason))
+                if include_usage:
+                    yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated))))
+                break
+            yield sse(reply.chunk(update.text))
+        yield SSE_DONE
+
+
+class GenerationStream(StreamingResponse):
+    """Server-sent events that cancel their request however the response ends (finished, disconnected, failed)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[str], job: GenerationRequest):
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancelled = True  # a no-op once it has finished
+
+
+async def _watch_disconnect(request: Request, job: GenerationRequest, updates: asyncio.Queue) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled = True
+    updates.put_nowait(None)
+
+
+class Gate:
+    """ASGI middleware: with an API key every route but /health needs `Authorization: Bearer KEY`;
+    every answer is counted by route and status."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics, routes: set[str]):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.metrics = metrics
+        self.routes = routes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        route = path if path in self.routes else "other"
+
+        async def counted_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        if self.expected and path not in OPEN_ROUTES and not self._authorized(scope):
+            error = ApiError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.",
+                             code="invalid_api_key")
+            await _error_response(error)(scope, receive, counted_send)
+            return
+        await self.app(scope, receive, counted_send)
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self.expected)
+
+
+def _error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return _error_response(exc)
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Starlette's own errors (unknown route, wrong method) in OpenAI's shape."""
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    error = ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}", code=kind,
+                     headers=dict(exc.headers or {}))
+    return _error_response(error)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
+
+
+def build_app(engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics,
+              api_key: str | None = None) -> Starlette:
+    service = Service(engine, tokenizer, model_name, metrics)
+    routes = [
+        Route("/health", service.health, methods=["GET"]),
+        Route("/metrics", service.metrics_text, methods=["GET"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/completions", service.completions, methods=["POST"]),
+        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+    ]
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(Gate, api_key=api_key, metrics=metrics, routes={r.path for r in routes})],
+                     exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})

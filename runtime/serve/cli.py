@@ -1,0 +1,113 @@
+"""The `serve` command: its arguments, and starting the server (uvicorn) on an artifact.
+
+Importing this module is cheap (argparse only), so `k2deploy --help` stays fast; the server's
+libraries load when the command runs. `python -m k2deploy.runtime.serve ART ...` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from pathlib import Path
+
+from ...errors import K2Error
+
+DEFAULT_MAX_CONTEXT = 4096
+DESCRIPTION = ("Serve an exported artifact over OpenAI's API (GET /v1/models, POST /v1/completions and "
+               "/v1/chat/completions, streamed or not) with continuous batching over the FP8 latent cache, "
+               "plus GET /health and Prometheus GET /metrics. SIGTERM or Ctrl-C drains running requests, then exits.")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("artifact", help="artifact directory written by `k2deploy export` (with its tokenizer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
+    parser.add_argument("--max-batch", type=int, default=8,
+                        help="requests decoded together; each holds one cache slot of --max-context positions "
+                             "(default: 8)")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="requests that may wait for a slot; beyond that: 429 with Retry-After (default: 64)")
+    parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
+                        help="positions per slot (prompt plus completion), capped by the model's context; the cache "
+                             f"is allocated once for max-batch x max-context tokens (default: {DEFAULT_MAX_CONTEXT})")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
+    parser.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
+    parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                        help="ONNX Runtime execution provider (default: cpu)")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
+    parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
+                        help="uvicorn's log level; info logs every request (default: info)")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `k2deploy serve` on the main parser's subcommands."""
+    serve = subparsers.add_parser("serve", help="serve an artifact over an OpenAI-compatible HTTP API (no torch)",
+                                  description=DESCRIPTION)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+    return serve
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    for name in ("max_batch", "max_context"):
+        if getattr(args, name) < 1:
+            raise K2Error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_queue < 0:
+        raise K2Error(f"--max-queue must be at least 0, got {args.max_queue}")
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as exc:
+        raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
+    from ...manifest import load_manifest
+    from ...tokenizer import KimiTokenizer
+    from ..ort_backend import OrtModel
+    from .engine import Engine
+    from .metrics import ServerMetrics
+
+    artifact = Path(args.artifact)
+    manifest = load_manifest(artifact)
+    if not (artifact / "tokenizer").is_dir():
+        raise K2Error(f"{artifact} carries no tokenizer/ folder; re-export it from a checkpoint with its tokenizer")
+    tokenizer = KimiTokenizer.from_dir(artifact / "tokenizer")
+    model = OrtModel(manifest, provider=args.provider, threads=args.threads)
+    metrics = ServerMetrics()
+    engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
+    model_name = args.model_name or artifact.resolve().name
+    app = build_app(engine, tokenizer, model_name, metrics, api_key=args.api_key)
+    listener = _bind(args.host, args.port)
+    host, port = listener.getsockname()[:2]
+    print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
+          f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
+          f"{args.provider})", flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
+    server.run(sockets=[listener])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        raise K2Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="k2deploy serve", description=DESCRIPTION)
+    add_serve_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        cmd_serve(args)
+    except K2Error as exc:
+        print(f"k2deploy serve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("k2deploy serve: interrupted", file=sys.stderr)
+        return 130
+    return 0

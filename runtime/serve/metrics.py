@@ -1,0 +1,38 @@
+"""The server's Prometheus metrics, in a registry of its own (GET /metrics renders it)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("k2deploy_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("k2deploy_generations_finished", "Generations ended, by reason "
+                                "(stop, length, cancelled, error)", ["reason"], registry=r)
+        self.prompt_tokens = Counter("k2deploy_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("k2deploy_generated_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("k2deploy_time_to_first_token_seconds", "From arrival (queueing included) to the "
+                              "first token", buckets=TTFT_BUCKETS, registry=r)
+        self.per_token = Histogram("k2deploy_time_per_output_token_seconds", "Between consecutive tokens of a "
+                                   "request", buckets=TOKEN_BUCKETS, registry=r)
+        self.queue_depth = Gauge("k2deploy_queue_depth", "Requests waiting for a cache slot", registry=r)
+        self.slots = Gauge("k2deploy_cache_slots", "Cache slots (--max-batch)", registry=r)
+        self.slots_used = Gauge("k2deploy_cache_slots_used", "Cache slots held by running requests (one each)",
+                                registry=r)
+        self.cache_tokens = Gauge("k2deploy_cache_tokens", "Token positions the cache holds (slots x context)",
+                                  registry=r)
+        self.cache_tokens_used = Gauge("k2deploy_cache_tokens_used", "Token positions filled in held slots",
+                                       registry=r)
+        self.cache_bytes = Gauge("k2deploy_cache_bytes", "Bytes allocated for the latent cache", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

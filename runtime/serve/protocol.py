@@ -1,0 +1,307 @@
+"""The OpenAI API's side of the server: request bodies checked into `Options`, responses and errors shaped.
+
+Checking is strict: a field of the wrong type, a value out of range or an option this server
+does not implement is a 400 with OpenAI's error body, never a silent default. Options that
+clients send at their neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: null`, ...) pass.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 4
+SEED_RANGE = (-(2**63), 2**63)
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Options a client may send as long as they ask for nothing this server would have to do.
+NEUTRAL_VALUES = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "parallel_tool_calls": (True, False),
+    "response_format": ({"type": "text"},),
+}
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
+                 "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "parallel_tool_calls",
+                               "response_format"}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: an HTTP status and {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What one completion or chat completion asks for, checked; the prompt is still text (or ids)."""
+
+    chat: bool
+    model: str
+    prompt: str | list[int] | None  # completions: text or token ids
+    messages: list[dict] | None  # chat: [{"role", "content"[, "name"]}], content as text
+    max_tokens: int | None  # None: the rest of the context (chat) or 16 (completions, as OpenAI)
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("We could not parse the JSON body of your request. The body must be a JSON object.",
+                          code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("The body of your request must be a JSON object.", code="invalid_json")
+    return body
+
+
+def parse_options(body: dict, chat: bool) -> Options:
+    allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in allowed:
+            raise bad_request(f"Unrecognized request argument supplied: {name}", param=name,
+                              code="unrecognized_argument")
+    for name, neutral in NEUTRAL_VALUES.items():
+        if name in body and not _is_neutral(body[name], neutral):
+            raise bad_request(f"`{name}` {json.dumps(body[name])} is not supported by this server "
+                              f"(it accepts only {' or '.join(json.dumps(v) for v in neutral)})", param=name,
+                              code="unsupported_option")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("`model` is required and must be a string", param="model")
+    stream = _optional(body, "stream", bool, False)
+    stream_options = _optional(body, "stream_options", dict, None)
+    if stream_options is not None and not stream:
+        raise bad_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
+    include_usage = False
+    if stream_options is not None:
+        unknown = set(stream_options) - {"include_usage"}
+        if unknown:
+            raise bad_request(f"`stream_options.{min(unknown)}` is not supported", param="stream_options")
+        include_usage = _optional(stream_options, "include_usage", bool, False, label="stream_options.include_usage")
+    max_tokens = _max_tokens(body, chat)
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise bad_request("`top_p` must be greater than 0 (use temperature 0 for greedy decoding)", param="top_p")
+    seed = _optional(body, "seed", int, None)
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise bad_request("`seed` must fit in a signed 64-bit integer", param="seed")
+    _optional(body, "user", str, None)
+    return Options(chat=chat, model=model, prompt=None if chat else _prompt(body),
+                   messages=_messages(body) if chat else None, max_tokens=max_tokens, temperature=temperature,
+                   top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage)
+
+
+def max_new_tokens(options: Options, prompt_tokens: int, context: int) -> int:
+    """The tokens this request may generate, or a 400 when the prompt and max_tokens do not fit the context."""
+    if prompt_tokens == 0:
+        raise bad_request("The prompt is empty; give at least one token.",
+                          param="messages" if options.chat else "prompt")
+    requested = options.max_tokens
+    if requested is None:
+        requested = max(context - prompt_tokens, 1) if options.chat else 16
+    if prompt_tokens + requested > context:
+        prompt_param = "messages" if options.chat else "prompt"
+        raise bad_request(f"This model's maximum context length is {context} tokens. However, you requested "
+                          f"{prompt_tokens + requested} tokens ({prompt_tokens} in the prompt, {requested} for the "
+                          f"completion). Please reduce the prompt or max_tokens.",
+                          param=prompt_param if prompt_tokens >= context else "max_tokens",
+                          code="context_length_exceeded")
+    return requested
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    """null, or equal to a neutral value with the same JSON type (true is not 1, 0.0 is 0)."""
+    if value is None:
+        return True
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _type_name(kind) -> str:
+    return {bool: "a boolean", int: "an integer", str: "a string", dict: "an object", list: "an array"}[kind]
+
+
+def _optional(body: dict, name: str, kind, default, label: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad_request(f"`{label or name}` must be {_type_name(kind)}, got {json.dumps(value)}", param=label or name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise bad_request(f"`{name}` must be a number, got {json.dumps(value)}", param=name)
+    if not low <= value <= high:
+        raise bad_request(f"`{name}` must lie in [{low:g}, {high:g}], got {value}", param=name)
+    return float(value)
+
+
+def _max_tokens(body: dict, chat: bool) -> int | None:
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    value = _optional(body, name, int, None)
+    if value is not None and value < 1:
+        raise bad_request(f"`{name}` must be at least 1, got {value}", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"`stop` must be a string or an array of strings, got {json.dumps(value)}", param="stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"`stop` takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
+    if any(not s for s in stops):
+        raise bad_request("`stop` strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise bad_request("A batch of prompts is not supported; send one prompt per request", param="prompt",
+                          code="unsupported_option")
+    raise bad_request("`prompt` is required: a string or an array of token ids", param="prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("`messages` is required: a non-empty array of messages", param="messages")
+    checked = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"`{where}` must be an object", param=where)
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise bad_request(f"`{where}.{min(unknown)}` is not supported by this server", param=where,
+                              code="unsupported_option")
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
+                              param=f"{where}.role")
+        entry = {"role": role, "content": _content(message.get("content"), f"{where}.content", role)}
+        if message.get("name") is not None:
+            entry["name"] = _optional(message, "name", str, None, label=f"{where}.name")
+        checked.append(entry)
+    return checked
+
+
+def _content(content, where: str, role: str) -> str:
+    """A message's text: a string, or an array of {"type": "text", "text": ...} parts joined."""
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        if all(p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+        raise bad_request(f"`{where}`: only text parts are supported", param=where, code="unsupported_option")
+    raise bad_request(f"`{where}` must be a string or an array of text parts", param=where)
+
+
+# -- responses ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Names one response: its id, creation time and model, shared by all its chunks."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> Reply:
+        prefix = "chatcmpl" if chat else "cmpl"
+        return cls(chat, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._envelope("chat.completion", [choice]) | {"usage": usage}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice]) | {"usage": usage}
+
+    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False) -> dict:
+        """One streamed piece; `role` marks a chat stream's first chunk, which names the assistant."""
+        if self.chat:
+            delta = {"content": text} if text or not finish_reason else {}  # the last chunk's delta may be empty
+            delta = {"role": "assistant"} | delta if role else delta
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def models_list(model: str, created: int, context: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "k2deploy",
+                                        "max_model_len": context}]}
+
+
+def sse(obj: dict) -> str:
+    """One server-sent event; the stream ends with `data: [DONE]`."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

@@ -1,0 +1,116 @@
+"""One generation request's state in the engine: its prompt and sampling, the slot it holds, what it produced."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Update:
+    """What the engine hands the HTTP side after a step: new text, and on the last update why it ended."""
+
+    text: str = ""
+    finish_reason: str | None = None  # "stop" (a stop id or string) or "length" (max_tokens)
+    error: str | None = None  # the step failed; the request is over
+
+
+class TextStream:
+    """Token ids in, text out as it becomes final.
+
+    Decodes incrementally (from the last clean boundary, so a character split over tokens is
+    held until complete) and holds back any tail that may still grow into a stop string.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
+        self.decode = decode
+        self.stop = stop
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already taken
+        self.read_offset = 0
+        self.held = ""  # decoded, not yet released: may be the start of a stop string
+
+    def push(self, token: int) -> tuple[str, bool]:
+        """Adds one token -> (text now final, whether a stop string was reached; the text ends before it)."""
+        self.ids.append(token)
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return "", False  # an incomplete character: wait for the next token
+        self.held += text[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return self._release()
+
+    def finish(self) -> str:
+        """Everything still held, at the end of the generation (an incomplete character as U+FFFD)."""
+        taken = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        text, self.held = self.held + self.decode(self.ids[self.prefix_offset:])[len(taken):], ""
+        return text
+
+    def _release(self) -> tuple[str, bool]:
+        found = [i for i in (self.held.find(s) for s in self.stop) if i >= 0]
+        if found:
+            text, self.held = self.held[: min(found)], ""
+            return text, True
+        keep = max((n for s in self.stop for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return text, False
+
+
+class GenerationRequest:
+    """A prompt waiting, prefilling or decoding in one slot of the cache, until it finishes or is cancelled.
+
+    The engine thread owns everything here but `cancelled`, which the HTTP side sets (client
+    gone); the engine reads it at the next step boundary and frees the slot.
+    """
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
+                 decode: Callable[[list[int]], str], deliver: Callable[[Update], None]):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        # seeded as `k2deploy generate` seeds row 0, so a seeded request samples what the CLI does
+        self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, 0])
+        self.text = TextStream(decode, stop)
+        self.deliver = deliver
+        self.slot: int | None = None
+        self.cached = 0  # prompt tokens already in the slot's cache
+        self.generated: list[int] = []  # sampled ids, without a stop id
+        self.finish_reason: str | None = None
+        self.cancelled = False
+        self.arrived_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.prompt_ids)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def next_chunk(self, limit: int) -> list[int]:
+        return self.prompt_ids[self.cached:self.cached + limit]
+
+    def accept(self, token: int) -> Update:
+        """One sampled token -> the update for the client; sets finish_reason when this token ends the request."""
+        now = time.perf_counter()
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
+        if token in self.params.stop_ids:
+            self.finish_reason = "stop"
+            return Update(self.text.finish(), "stop")
+        self.generated.append(token)
+        text, stopped = self.text.push(token)
+        if stopped:
+            self.finish_reason = "stop"
+            return Update(text, "stop")
+        if len(self.generated) >= self.params.max_new_tokens:
+            self.finish_reason = "length"
+            return Update(text + self.text.finish(), "length")
+        return Update(text)

@@ -1,0 +1,72 @@
+"""Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones.
+
+The HTTP side submits and cancels from the event loop; the engine thread admits, and lets
+requests leave, at step boundaries. One lock guards the queue and the slot table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+from .requests import GenerationRequest
+
+
+class QueueFull(Exception):
+    """Every slot is taken and the queue holds --max-queue requests already."""
+
+
+class Scheduler:
+    def __init__(self, slots: int, max_queue: int):
+        self.max_queue = max_queue
+        self.slots: list[GenerationRequest | None] = [None] * slots  # slot -> the request holding it
+        self.waiting: deque[GenerationRequest] = deque()
+        self.lock = threading.Condition()
+
+    def submit(self, request: GenerationRequest) -> None:
+        """Queues a request; QueueFull when the free slots and the queue's room are both used up."""
+        with self.lock:
+            if len(self.waiting) >= self.free_slots() + self.max_queue:
+                raise QueueFull()
+            self.waiting.append(request)
+            self.lock.notify()
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Blocks until a request waits or runs (True) or the timeout passes (False)."""
+        with self.lock:
+            return self.lock.wait_for(lambda: self.waiting or any(self.slots), timeout)
+
+    def admit(self) -> list[GenerationRequest]:
+        """Moves waiting requests, first come first served, into free slots (lowest first); drops cancelled ones."""
+        with self.lock:
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
+            admitted = []
+            for slot, holder in enumerate(self.slots):
+                if holder is None and self.waiting:
+                    request = self.waiting.popleft()
+                    request.slot = slot
+                    self.slots[slot] = request
+                    admitted.append(request)
+            return admitted
+
+    def running(self) -> list[GenerationRequest]:
+        with self.lock:
+            return [r for r in self.slots if r is not None]
+
+    def leave(self, request: GenerationRequest) -> None:
+        with self.lock:
+            self.slots[request.slot] = None
+
+    def free_slots(self) -> int:
+        return sum(holder is None for holder in self.slots)
+
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    def drain_all(self) -> list[GenerationRequest]:
+        """Empties the queue and the slots (at shutdown) -> the requests that were there."""
+        with self.lock:
+            everyone = list(self.waiting) + [r for r in self.slots if r is not None]
+            self.waiting.clear()
+            self.slots = [None] * len(self.slots)
+            return everyone

@@ -1,0 +1,363 @@
+"""`k2deploy serve` as a client sees it: a real server process on 127.0.0.1 (torch blocked), the official
+`openai` client for the happy paths, httpx for raw bytes, errors and disconnects."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+STARTUP_S = 90
+MODEL = "tiny-k2"
+
+
+class Server:
+    """A `python -m k2deploy.runtime.serve` process; its output goes to files (a full pipe would stall it)."""
+
+    def __init__(self, artifact: Path, workdir: Path, *args: str):
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path, self.stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
+        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "k2deploy.runtime.serve", str(artifact), "--port", "0", "--model-name", MODEL,
+                 "--threads", "2", *args], stdout=out, stderr=err, env=_env_without_torch(workdir))
+        self.url = self._wait_until_up()
+
+    def _wait_until_up(self) -> str:
+        deadline = time.monotonic() + STARTUP_S
+        while time.monotonic() < deadline:
+            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", self.stdout_path.read_text())
+            if match:
+                try:
+                    if httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200:
+                        return match.group(1)
+                except httpx.TransportError:
+                    pass
+            assert self.process.poll() is None, f"server exited: {self.stderr_path.read_text()}"
+            time.sleep(0.2)
+        raise AssertionError(f"server not up after {STARTUP_S} s: {self.stderr_path.read_text()}")
+
+    def client(self, **kwargs) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                             timeout=60, **kwargs)
+
+    def metric(self, name: str, headers: dict | None = None) -> float:
+        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        return float(match.group(1)) if match else 0.0
+
+    def wait_for_metric(self, name: str, value: float, headers: dict | None = None, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while self.metric(name, headers) != value:
+            assert time.monotonic() < deadline, f"{name} stayed at {self.metric(name, headers)}, expected {value}"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+
+
+def _env_without_torch(workdir: Path) -> dict:
+    """The serving host has no torch: an `import torch` that fails stands in front of the real one."""
+    blocker = workdir / "blocked" / "torch"
+    blocker.mkdir(parents=True, exist_ok=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed on this serving host')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(blocker.parent), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(tiny_artifacts, tmp_path_factory):
+    running = Server(tiny_artifacts["fp8"], tmp_path_factory.mktemp("serve"), "--max-batch", "16", "--max-queue", "16")
+    yield running
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_artifacts):
+    from k2deploy.tokenizer import KimiTokenizer
+
+    return KimiTokenizer.from_dir(tiny_artifacts["fp8"] / "tokenizer")
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_greedy_completion_is_what_generate_gives(server, tiny_artifacts, tokenizer):
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.sampling import SamplingParams
+
+    prompt = "The harbour town wakes before the sun."
+    result = server.client().completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    generator = Generator(OrtModel(load_manifest(tiny_artifacts["fp8"])))
+    expected = generator.generate([tokenizer.encode(prompt)], SamplingParams(max_new_tokens=12,
+                                                                            stop_ids=tokenizer.stop_ids))[0]
+    choice = result.choices[0]
+    assert choice.text == tokenizer.decode(expected.token_ids)
+    assert choice.finish_reason == expected.finish_reason
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(tokenizer.encode(prompt)),
+                                                                            len(expected.token_ids))
+    assert result.usage.total_tokens == result.usage.prompt_tokens + result.usage.completion_tokens
+    assert result.model == MODEL and result.object == "text_completion"
+
+
+def test_streamed_completion_matches_the_whole_one(server):
+    client = server.client()
+    whole = client.completions.create(model=MODEL, prompt=[5, 17, 300, 42], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=[5, 17, 300, 42], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_chat_completion_uses_the_artifact_chat_template(server, tokenizer):
+    client = server.client()
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do the gulls go?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
+    assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens == len(tokenizer.encode_chat(messages))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == whole.usage.total_tokens
+
+
+def test_stop_strings_cut_the_text(server):
+    client = server.client()
+    full = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=16, temperature=0).choices[0].text
+    assert len(full) > 6, full
+    stop = full[4:6]
+    cut = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=16, temperature=0,
+                                    stop=[stop, "\x07\x07"])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=16, temperature=0, stop=stop,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_seeded_sampling_repeats(server):
+    client = server.client()
+
+    def draw(seed):
+        return client.completions.create(model=MODEL, prompt="Tomorrow the gulls", max_tokens=8, temperature=1.0,
+                                         top_p=0.9, seed=seed).choices[0].text
+
+    assert draw(3) == draw(3)
+
+
+def test_sixteen_concurrent_greedy_requests_match_each_alone(server):
+    """Requests of different prompt and completion lengths join and leave the decode batch at different
+    steps; each still gets exactly its own greedy tokens."""
+    client = server.client()
+    rng = np.random.default_rng(0)
+    jobs = [(rng.integers(0, 700, size=int(n)).tolist(), int(m))
+            for n, m in zip(rng.integers(2, 40, size=16), rng.integers(3, 13, size=16))]
+
+    def run(job, delay=0.0):
+        time.sleep(delay)  # staggered, so that later requests join a batch already decoding
+        result = client.completions.create(model=MODEL, prompt=job[0], max_tokens=job[1], temperature=0)
+        return result.choices[0].text, result.choices[0].finish_reason, result.usage.completion_tokens
+
+    alone = [run(job) for job in jobs]
+    peak, done = [0.0], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            peak[0] = max(peak[0], server.metric("k2deploy_cache_slots_used"))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(run, jobs, [0.04 * i for i in range(len(jobs))]))
+    finally:
+        done.set()
+        watcher.join()
+    assert together == alone
+    assert peak[0] > 1, "the requests never ran together"
+    server.wait_for_metric("k2deploy_cache_slots_used", 0)
+
+
+def test_a_client_that_disconnects_frees_its_slot(server):
+    cancelled = server.metric('k2deploy_generations_finished_total{reason="cancelled"}')
+    body = {"model": MODEL, "prompt": "The ferry", "max_tokens": 3000, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        server.wait_for_metric("k2deploy_cache_slots_used", 1)
+    server.wait_for_metric("k2deploy_cache_slots_used", 0)
+    server.wait_for_metric('k2deploy_generations_finished_total{reason="cancelled"}', cancelled + 1)
+    # a whole (non-streamed) request whose client gives up is cancelled too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=1.0)
+    server.wait_for_metric('k2deploy_generations_finished_total{reason="cancelled"}', cancelled + 2)
+    server.wait_for_metric("k2deploy_cache_slots_used", 0)
+
+
+def test_metrics_are_prometheus_text(server):
+    server.client().completions.create(model=MODEL, prompt="a b c", max_tokens=3, temperature=0)
+    response = httpx.get(f"{server.url}/metrics")
+    assert response.headers["content-type"].startswith("text/plain")
+    for name in ("k2deploy_requests_total", "k2deploy_generated_tokens_total", "k2deploy_prompt_tokens_total",
+                 "k2deploy_time_to_first_token_seconds_bucket", "k2deploy_time_per_output_token_seconds_bucket",
+                 "k2deploy_queue_depth", "k2deploy_cache_slots_used", "k2deploy_cache_tokens_used"):
+        assert name in response.text, name
+    assert server.metric("k2deploy_cache_slots") == 16
+    assert server.metric("k2deploy_time_to_first_token_seconds_count") >= 1
+
+
+def _long_prompt(tokens: int) -> list[int]:
+    return [5] * tokens
+
+
+# route, body (a dict is sent as JSON, bytes as they are), status, error code, error param, words in the message
+BAD_REQUESTS = [
+    ("/v1/completions", b'{"model": "tiny-k2", "prompt": ', 400, "invalid_json", None, "parse the JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "invalid_json", None, "JSON object"),
+    ("/v1/completions", {"prompt": "hi"}, 400, None, "model", "`model` is required"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model_not_found", "model", "does not exist"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, None, "prompt", "`prompt` is required"),
+    ("/v1/completions", {"model": MODEL}, 400, None, "prompt", "`prompt` is required"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, None, "prompt", "empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "unsupported_option", "prompt", "batch"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, 5000]}, 400, None, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, None, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, None, "max_tokens", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, None, "max_tokens", "at least 1"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 5000}, 400, "context_length_exceeded",
+     "max_tokens", "maximum context length is 4096"),
+    ("/v1/completions", {"model": MODEL, "prompt": _long_prompt(4097), "max_tokens": 1}, 400,
+     "context_length_exceeded", "prompt", "4097 in the prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 3}, 400, None, "temperature", "[0, 2]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": "hot"}, 400, None, "temperature", "number"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, None, "top_p", "greater than 0"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 1.5}, 400, None, "seed", "integer"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, None, "stop",
+     "at most 4"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, 400, None, "stop", "not be empty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, None, "stream", "boolean"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, None,
+     "stream_options", "only allowed when `stream` is true"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "unsupported_option", "n", "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "unsupported_option", "logprobs",
+     "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "unsupported_option", "echo",
+     "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "unsupported_option", "best_of",
+     "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperatur": 1}, 400, "unrecognized_argument",
+     "temperatur", "Unrecognized request argument"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, None, "messages", "non-empty"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, None, "messages", "non-empty array"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]}, 400, None,
+     "messages[0].role", "must be one of"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 7}]}, 400, None,
+     "messages[0].content", "string or an array of text parts"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "unsupported_option",
+     "messages[0].content", "only text parts"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_option",
+     "tools", "not supported"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "max_completion_tokens": 4097}, 400, "context_length_exceeded", "max_tokens",
+     "maximum context length"),
+    ("/v1/embeddings", {"model": MODEL, "input": "hi"}, 404, "not_found", None, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, code, param, words", BAD_REQUESTS,
+                         ids=[f"{i:02d}-{row[4] or row[3]}" for i, row in enumerate(BAD_REQUESTS)])
+def test_bad_requests_get_openai_errors(server, route, body, status, code, param, words):
+    raw = isinstance(body, bytes)
+    send = {"content": body, "headers": {"content-type": "application/json"}} if raw else {"json": body}
+    response = httpx.post(f"{server.url}{route}", timeout=30, **send)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["type"], error["code"], error["param"]) == ("invalid_request_error", code, param), error
+    assert words in error["message"], error["message"]
+
+
+def test_bad_requests_disturb_nothing(server):
+    assert httpx.get(f"{server.url}/v1/completions").status_code == 405
+    assert server.metric("k2deploy_cache_slots_used") == 0 and server.metric("k2deploy_queue_depth") == 0
+    with pytest.raises(openai.BadRequestError):
+        server.client().completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert server.client().completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.fixture
+def guarded_server(tiny_artifacts, tmp_path):
+    """One slot, no queue, an API key."""
+    running = Server(tiny_artifacts["fp8"], tmp_path / "guarded", "--max-batch", "1", "--max-queue", "0",
+                     "--api-key", "sesame")
+    yield running
+    running.stop()
+
+
+def test_api_key_queue_full_and_sigterm_drain(guarded_server):
+    server, key = guarded_server, {"Authorization": "Bearer sesame"}
+    # the key: every route but /health
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    for route in ("/v1/models", "/metrics"):
+        assert httpx.get(f"{server.url}{route}").status_code == 401
+        assert httpx.get(f"{server.url}{route}", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    denied = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    client = server.client(api_key="sesame")
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+
+    # the one slot busy and no queue: 429 with Retry-After, and the running request carries on
+    body = {"model": MODEL, "prompt": "The ferry", "max_tokens": 40, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60, headers=key) as http, \
+            http.stream("POST", f"{server.url}/v1/completions", json=body) as running:
+        lines = running.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        busy = http.post(f"{server.url}/v1/completions", json=body | {"stream": False})
+        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.json()["error"]["code"] == "queue_full"
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+
+        # SIGTERM while it runs: it finishes, then the server exits
+        server.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason": "length"' in rest[-2]
+    server.process.wait(timeout=30)
+    assert server.process.returncode in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in server.stderr_path.read_text()

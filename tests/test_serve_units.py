@@ -1,0 +1,159 @@
+"""The server's parts without HTTP: text streaming and stop strings, the scheduler's admission rules, the
+cache rows one forward runs, request checking."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.serve.cli import add_serve_parser
+from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
+from k2deploy.runtime.serve.requests import GenerationRequest, TextStream
+from k2deploy.runtime.serve.scheduler import QueueFull, Scheduler
+
+PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\u00e9"}
+
+
+def _decode(ids: list[int]) -> str:
+    """A byte-level stand-in for the tokenizer: id 7 and 8 are the two UTF-8 bytes of 'é'."""
+    raw = b"".join(PIECES[i].encode() if i in PIECES else bytes([0xC3 if i == 7 else 0xA9]) for i in ids)
+    return raw.decode("utf-8", errors="replace")
+
+
+def _stream(ids, stop=()):
+    text_stream = TextStream(_decode, tuple(stop))
+    out, stopped = [], False
+    for token in ids:
+        text, stopped = text_stream.push(token)
+        out.append(text)
+        if stopped:
+            break
+    return out, stopped, text_stream
+
+
+def test_text_stream_holds_a_split_character_until_it_is_whole():
+    out, stopped, _ = _stream([1, 7, 8, 2])
+    assert out == ["Hel", "", "\u00e9", "lo"] and not stopped
+
+
+def test_text_stream_finish_releases_an_incomplete_character():
+    _, _, text_stream = _stream([1, 7])
+    assert text_stream.finish() == "\ufffd"
+
+
+def test_stop_string_across_tokens_is_cut_and_never_sent():
+    out, stopped, _ = _stream([1, 2, 3, 4, 5], stop=["o wo"])
+    assert out == ["Hel", "l", ""] and stopped  # "o" is held: it may start the stop string
+
+
+def test_a_held_prefix_that_does_not_become_the_stop_string_is_sent():
+    out, stopped, text_stream = _stream([1, 2, 3, 4, 5], stop=["lox"])
+    assert "".join(out) + text_stream.finish() == "Hello world!" and not stopped
+    assert out[:2] == ["He", "l"]  # "l", then "lo", waited: they may start "lox"
+
+
+def _request(prompt=(1, 2, 3), max_new=3, stop_ids=(99,), stop=()):
+    updates = []
+    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=max_new, stop_ids=stop_ids), stop,
+                                _decode, updates.append)
+    return request, updates
+
+
+def test_request_finishes_on_length_and_on_a_stop_id():
+    request, _ = _request(max_new=2)
+    assert request.accept(1).finish_reason is None
+    last = request.accept(2)
+    assert (last.text, last.finish_reason, request.generated) == ("lo", "length", [1, 2])
+    request, _ = _request()
+    request.accept(1)
+    assert request.accept(99).finish_reason == "stop" and request.generated == [1]
+
+
+def test_scheduler_admits_first_come_into_the_lowest_free_slots():
+    scheduler = Scheduler(slots=2, max_queue=1)
+    a, b, c = (_request()[0] for _ in range(3))
+    for request in (a, b, c):
+        scheduler.submit(request)  # 2 free slots + 1 queue place
+    with pytest.raises(QueueFull):
+        scheduler.submit(_request()[0])
+    assert scheduler.admit() == [a, b] and (a.slot, b.slot) == (0, 1) and scheduler.queue_depth() == 1
+    scheduler.leave(a)
+    assert scheduler.admit() == [c] and c.slot == 0
+
+
+def test_scheduler_drops_cancelled_waiting_requests():
+    scheduler = Scheduler(slots=1, max_queue=4)
+    a, b = _request()[0], _request()[0]
+    scheduler.submit(a)
+    scheduler.submit(b)
+    a.cancelled = True
+    assert scheduler.admit() == [b]
+
+
+def test_no_queue_means_requests_beyond_the_free_slots_are_refused():
+    scheduler = Scheduler(slots=1, max_queue=0)
+    scheduler.submit(_request()[0])
+    with pytest.raises(QueueFull):
+        scheduler.submit(_request()[0])
+
+
+def test_options_are_checked_strictly():
+    options = parse_options({"model": "m", "prompt": [1, 2], "max_tokens": 4, "stop": "x", "n": 1,
+                             "presence_penalty": 0.0, "logprobs": None}, chat=False)
+    assert (options.prompt, options.max_tokens, options.stop, options.temperature) == ([1, 2], 4, ("x",), 1.0)
+    assert max_new_tokens(options, prompt_tokens=2, context=6) == 4
+    with pytest.raises(ApiError, match="maximum context length is 5"):
+        max_new_tokens(options, prompt_tokens=2, context=5)
+    chat = parse_options({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                                  {"type": "text", "text": "b"}]}]},
+                         chat=True)
+    assert chat.messages == [{"role": "user", "content": "ab"}]
+    assert max_new_tokens(chat, prompt_tokens=10, context=64) == 54  # chat: the rest of the context
+    for body in ({"model": "m", "prompt": "a", "n": True}, {"model": "m", "prompt": "a", "frequency_penalty": 0.5},
+                 {"model": "m", "messages": [{"role": "user", "content": "a"}]}):
+        with pytest.raises(ApiError) as error:
+            parse_options(body, chat=False)
+        assert error.value.status == 400
+
+
+def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
+    """A prompt prefilled and decoded through slot 2 of a 4-slot cache gives the logits and cache entries it
+    gives in a cache of its own, and leaves the other slots alone."""
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.serve.cache_rows import CacheRows
+
+    model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=2)
+    prompt = np.array([[5, 17, 300, 42, 9]], dtype=np.int64)
+    positions = np.arange(5, dtype=np.int64)[None]
+    valid = np.ones_like(prompt, dtype=bool)
+
+    own = model.new_cache(1, 16)
+    own_logits = [model.logits(model.forward(prompt, positions, valid, own))[0, -1]]
+    own_logits.append(model.logits(model.forward(np.array([[7]]), np.array([[5]]), np.ones((1, 1), bool), own))[0, 0])
+
+    shared = model.new_cache(4, 16)
+    shared.latent[:] = 1  # stale entries of other slots must not leak in
+    rows = CacheRows(shared, [2])
+    shared_logits = [model.logits(model.forward(prompt, positions, valid, rows))[0, -1]]
+    rows.commit()
+    rows = CacheRows(shared, [2])
+    shared_logits.append(model.logits(model.forward(np.array([[7]]), rows.lengths[:, None].copy(),
+                                                    np.ones((1, 1), bool), rows))[0, 0])
+    rows.commit()
+    np.testing.assert_array_equal(own_logits, shared_logits)
+    assert shared.lengths.tolist() == [0, 0, 6, 0]
+    np.testing.assert_array_equal(shared.latent[:, :6, 2], own.latent[:, :6, 0])
+    assert (shared.latent[:, :, [0, 1, 3]] == 1).all()
+
+
+def test_serve_registers_on_the_main_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="k2deploy")
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", "ART", "--max-batch", "4", "--api-key", "k"])
+    assert (args.command, args.artifact, args.host, args.port, args.max_batch, args.api_key) == (
+        "serve", "ART", "127.0.0.1", 8000, 4, "k")
+    assert args.func.__name__ == "cmd_serve"
