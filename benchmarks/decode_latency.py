@@ -1,10 +1,14 @@
 """Decode and prefill latency of the exported artifact against the eager reference and transformers.
 
-    . .venv/bin/activate && python benchmarks/decode_latency.py
+    cd /work/main && . .venv/bin/activate && python benchmarks/decode_latency.py [--json]
 
-(the defaults: `--preset small --contexts 128,2048 --work /tmp/k2deploy-bench`; add `--json` for
-machine-readable output; about 4 minutes on 2 AMD EPYC cores, first run included, which writes
-the checkpoints and exports them; later runs reuse them).
+(from the repository root; the defaults are `--preset small --contexts 128,2048 --threads 1
+--steps 20 --prefill-repeats 3 --prefill-budget 30 --moe-experts 16,384 --moe-steps 60
+--work /tmp/k2deploy-bench`. The first run writes three checkpoints and exports them, about
+40-60 s; later runs reuse them. A whole run then takes about 2.5-4 minutes on 2 shared AMD EPYC
+cores, most of it the 2048-token prefills of the eager reference and transformers, so the
+prefill repeats are capped by time (--prefill-budget). Raise --steps / --prefill-budget for
+tighter medians, or pass --layers 2 to halve the model.)
 
 Part 1, the whole model at batch 1, for each context length T (default 128 and 2048):
   ours       the exported artifact (ONNX Runtime, CPU, FP8 latent cache) through
@@ -15,35 +19,48 @@ Part 1, the whole model at batch 1, for each context length T (default 128 and 2
              experts, its own DynamicCache, head over the last position only), built from the
              same checkpoint by tests/hf_deepseek.py; skipped with a note when transformers is absent.
   prefill    time to first token: a prompt of T random token ids into an empty cache, to the
-             argmax of the last position's logits. Warm-up runs, then the median of repeats.
+             argmax of the last position's logits. One untimed warm-up round per T
+             (--prefill-warmup: the first 2048-token run of ONNX Runtime was measured up to 2x
+             slower, its arena growing), then the median of up to --prefill-repeats (default 3)
+             timed rounds, with no new round once that T's timed rounds have taken
+             --prefill-budget seconds (default 30). A 2048-token prefill takes 5-20 s per backend
+             here, so T=2048 gets one or two timed rounds and T=128 three; the table gives n.
   decode     one token into a cache holding exactly T tokens, to the argmax of its logits. After
              each timed step the cache is rolled back to T tokens (outside the timer), so every
              step is measured at context T; the fed tokens vary from step to step (they
-             choose different experts) and are the same for all three. Median over the steps.
+             choose different experts) and are the same for all three. Median over --steps
+             (default 20) after --warmup (default 3) untimed steps.
   The three run interleaved, step by step, in a rotating order, so that the machine's noise
   falls on all of them alike; ratios (reference/ours, hf/ours) are of the medians.
-  torch and ONNX Runtime use the same number of intra-op threads (--threads, default: the
-  CPUs this process may run on).
+  torch and ONNX Runtime use the same number of intra-op threads, --threads, default 1. On a
+  shared machine more threads than free cores make every parallel region wait for a
+  descheduled partner thread: measured on this 2-core box under load, --threads 2 made every
+  backend 2-10x slower and erratic (transformers' 128-token prefill 0.6-15 s from one run to the
+  next, against a steady 0.2 s on one thread), and not evenly, so it distorted the ratios.
+  Pass --threads 2 (or more) on a dedicated machine.
 
 Part 2, one MoE decoder layer graph alone (`k2deploy export --layers 1:2`, FP8 cache) with the
 preset's dimensions and 16 or 384 routed experts (--moe-experts), top-k unchanged: decode of
 one token at context --moe-context (default 128), inputs bound with IOBinding as the runtime
-binds them, cache filled with random FP8 latents. The two graphs run interleaved. Their ratio
-shows whether the decode cost follows the k chosen experts or the expert count. The preset's
-own MoE layer (layer 1 of the Part 1 artifact) is timed alongside as a third point.
+binds them, cache filled with random FP8 latents, a different random hidden state each step.
+The graphs run interleaved, step by step. The 384/16 ratio shows whether the decode cost
+follows the k chosen experts or the expert count. The preset's own MoE layer (layer 1 of the
+Part 1 artifact, 64 experts) is timed alongside as a third point.
 
 Everything built lives under --work: checkpoints in WORK/checkpoints/NAME, artifacts in
 WORK/artifacts/NAME (the name spells preset, layers, experts and seed); present ones are
 reused when their config matches (a mismatched one is rebuilt).
 
 Timings are wall clock (time.perf_counter) on a shared machine: absolute figures move from run
-to run, the side-by-side ratios much less. Peak memory on `small`: about 3 GB.
+to run, the side-by-side ratios much less. Peak memory on `small`: about 6 GB (three models in
+memory, float32 for the two torch ones, plus the 2048-token prefills' activations).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib.util
 import json
 import os
@@ -82,7 +99,7 @@ def summary(samples_s: list[float]) -> dict:
     ms = sorted(s * 1e3 for s in samples_s)
     if not ms:
         return {}
-    q = lambda p: ms[min(len(ms) - 1, int(round(p * (len(ms) - 1))))]  # noqa: E731
+    q = lambda p: ms[min(len(ms) - 1, round(p * (len(ms) - 1)))]  # noqa: E731
     return {"median_ms": statistics.median(ms), "min_ms": ms[0], "p10_ms": q(0.1), "p90_ms": q(0.9), "n": len(ms)}
 
 
@@ -123,7 +140,11 @@ def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int
     if manifest.exists():
         data = json.loads(manifest.read_text())
         expected_range = list(layers or (0, config.num_hidden_layers))
-        if (data.get("model_config") == config.to_dict() and data.get("kv_cache", {}).get("format") == "fp8"
+        index = checkpoint / "model.safetensors.index.json"
+        same_weights = (index.exists() and (data.get("checkpoint") or {}).get("index_sha256")
+                        == hashlib.sha256(index.read_bytes()).hexdigest())
+        if (same_weights and data.get("model_config") == config.to_dict()
+                and data.get("kv_cache", {}).get("format") == "fp8"
                 and data.get("graphs", {}).get("layer_range") == expected_range):
             log(f"reusing artifact {out}")
             return out
@@ -243,21 +264,27 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
     for context in contexts:
         prompt = rng.integers(0, vocab, size=context).tolist()
         feed = rng.integers(0, vocab, size=args.warmup + args.steps).tolist()
-        prefill_runs = args.prefill_warmup + args.prefill_repeats
+        warmup = args.prefill_warmup  # per context: ONNX Runtime's arena grows on the first run of a larger shape
+        prefill_runs = warmup + args.prefill_repeats
         # prefill, interleaved; the last one leaves each backend's cache holding the prompt
         prefill = {b.name: [] for b in backends}
         first_tokens = {}
+        timed_seconds = 0.0
         for run in range(prefill_runs):
+            if run > warmup and timed_seconds >= args.prefill_budget:
+                break  # enough: one more round of long prefills would add little but minutes
             order = backends[run % len(backends):] + backends[: run % len(backends)]
+            seen = {}
             for backend in order:  # each prefill starts from an empty cache of its own
                 gc.collect()
                 started = time.perf_counter()
                 first_tokens[backend.name] = backend.prefill(prompt)
-                elapsed = time.perf_counter() - started
-                if run >= args.prefill_warmup:
+                seen[backend.name] = elapsed = time.perf_counter() - started
+                if run >= warmup:
                     prefill[backend.name].append(elapsed)
-            log(f"  T={context} prefill run {run + 1}/{prefill_runs}: "
-                + ", ".join(f"{b.name} {prefill[b.name][-1] * 1e3:.0f} ms" for b in backends if prefill[b.name]))
+                    timed_seconds += elapsed
+            log(f"  T={context} prefill run {run + 1}/{prefill_runs}{' (warm-up)' if run < warmup else ''}: "
+                + ", ".join(f"{name} {seen[name] * 1e3:.0f} ms" for name in (b.name for b in backends)))
         # decode at exactly T cached tokens, interleaved
         decode = {b.name: [] for b in backends}
         if ours is not None:
@@ -385,6 +412,7 @@ def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
             "weight_bytes_ratio": result["layers"][large]["graph_weight_bytes"] / result["layers"][small]["graph_weight_bytes"],
             "decode_ms_ratio": statistics.median(times[large]) / statistics.median(times[small]),
             "decode_ms_ratio_paired_median": statistics.median(a / b for a, b in zip(times[large], times[small])),
+            "decode_p10_ratio": result["layers"][large]["p10_ms"] / result["layers"][small]["p10_ms"],
         }
     del runners
     gc.collect()
@@ -399,9 +427,9 @@ def print_table(report: dict) -> None:
     print(f"k2deploy decode latency  preset={meta['preset']} layers={meta['layers']} experts={meta['n_routed_experts']} "
           f"top-k={meta['num_experts_per_tok']}  batch 1  threads={meta['threads']} (ORT intra-op = torch)")
     print(f"machine: {meta['cpu']}, {meta['cpus']} CPUs;  onnxruntime {meta['versions']['onnxruntime']}, "
-          f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}")
+          f"torch {meta['versions']['torch'] or 'not used'}, transformers {meta['versions']['transformers'] or 'not used'}")
     print(f"decode: median of {meta['steps']} steps after {meta['warmup']} warm-up, each at exactly T cached tokens; "
-          f"prefill (TTFT): median of {meta['prefill_repeats']} after {meta['prefill_warmup']} warm-up")
+          f"prefill (TTFT): median of n <= {meta['prefill_repeats']} after {meta['prefill_warmup']} warm-up")
     for note in report["notes"]:
         print(f"note: {note}")
     model = report.get("model")
@@ -409,13 +437,14 @@ def print_table(report: dict) -> None:
         names = [n for n in ("ours", "reference", "hf") if n in next(iter(model.values()))["decode"]]
         print()
         print("Whole model (ours = ONNX Runtime artifact, FP8 latent cache)")
-        header = f"{'T':>6} {'':10}" + "".join(f"{n + ' ms':>14}" for n in names)
+        header = f"{'T':>6} {'':12}" + "".join(f"{n + ' ms':>14}" for n in names)
         ratios = [n for n in names if n != "ours"]
         header += "".join(f"{n + '/ours':>16}" for n in ratios)
         print(header)
         for context, entry in model.items():
-            for part, label in (("decode", "decode/tok"), ("prefill", "prefill")):
-                row = f"{context:>6} {label:<10}"
+            for part in ("decode", "prefill"):
+                label = "decode/tok" if part == "decode" else f"prefill n={entry['prefill']['ours']['n']}"
+                row = f"{context:>6} {label:<12}"
                 row += "".join(f"{entry[part][n]['median_ms']:>14.2f}" for n in names)
                 row += "".join(f"{entry[part][n + '/ours']:>15.2f}x" for n in ratios)
                 print(row)
@@ -449,7 +478,8 @@ def print_table(report: dict) -> None:
             print(f"{ratio['experts']}: {ratio['expert_count_ratio']:.0f}x the experts, "
                   f"{ratio['weight_bytes_ratio']:.1f}x the layer's weight bytes, "
                   f"{ratio['decode_ms_ratio']:.2f}x the decode time "
-                  f"(paired per-step median {ratio['decode_ms_ratio_paired_median']:.2f}x)")
+                  f"(paired per-step median {ratio['decode_ms_ratio_paired_median']:.2f}x, "
+                  f"p10 {ratio['decode_p10_ratio']:.2f}x)")
     print()
     print(f"wall time {report['wall_seconds']:.0f} s (build {report['build_seconds']:.0f} s), "
           f"peak RSS {report['peak_rss_mb']:.0f} MB")
@@ -458,7 +488,7 @@ def print_table(report: dict) -> None:
 # -- main ------------------------------------------------------------------------------------------------
 
 
-def default_threads() -> int:
+def available_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -475,18 +505,24 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="where checkpoints and artifacts are written and reused (default /tmp/k2deploy-bench)")
     parser.add_argument("--contexts", default="128,2048", help="context lengths T, comma-separated (default 128,2048)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per context and backend (default 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first (default 3)")
-    parser.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per context and backend (default 3)")
-    parser.add_argument("--prefill-warmup", type=int, default=1, help="untimed prefills first (default 1)")
-    parser.add_argument("--threads", type=int, default=default_threads(),
-                        help="intra-op threads for ONNX Runtime and torch alike (default: the CPUs available, %(default)s here)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first, per context (default 3)")
+    parser.add_argument("--prefill-repeats", type=int, default=3,
+                        help="at most this many timed prefills per context and backend (default 3)")
+    parser.add_argument("--prefill-budget", type=float, default=30.0,
+                        help="no further prefill round once a context's timed prefills (all backends) have taken "
+                             "this many seconds (default 30)")
+    parser.add_argument("--prefill-warmup", type=int, default=1,
+                        help="untimed prefills before the timed ones, per context (default 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads for ONNX Runtime and torch alike (default 1: steady on a shared machine; "
+                             f"this one has {available_cpus()} CPUs)")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager reference")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--moe-experts", default="16,384",
                         help="routed-expert counts of the Part 2 single-layer graphs (default 16,384; empty: skip Part 2)")
     parser.add_argument("--moe-context", type=int, default=128, help="context of the Part 2 decode steps (default 128)")
-    parser.add_argument("--moe-steps", type=int, default=100, help="timed steps per Part 2 graph (default 100)")
-    parser.add_argument("--moe-warmup", type=int, default=10, help="untimed steps per Part 2 graph first (default 10)")
+    parser.add_argument("--moe-steps", type=int, default=60, help="timed steps per Part 2 graph (default 60)")
+    parser.add_argument("--moe-warmup", type=int, default=5, help="untimed steps per Part 2 graph first (default 5)")
     parser.add_argument("--skip-model", action="store_true", help="skip Part 1 (the whole-model comparison)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = parser.parse_args(argv)
@@ -505,6 +541,10 @@ def main(argv=None) -> int:
     from k2deploy.checkpoint.presets import preset_config
 
     notes = []
+    load_at_start = os.getloadavg()[0]
+    if load_at_start > available_cpus() / 2:
+        notes.append(f"load average {load_at_start:.1f} on {available_cpus()} CPUs at the start: other processes "
+                     f"compete for the cores, expect run-to-run spread in absolute times")
     torch = None
     if not (args.no_reference and args.no_hf) and not args.skip_model:
         import torch
@@ -549,8 +589,10 @@ def main(argv=None) -> int:
             "vocab_size": config.vocab_size, "kv_cache": "fp8", "batch": 1, "threads": args.threads,
             "contexts": args.context_list, "steps": args.steps, "warmup": args.warmup,
             "prefill_repeats": args.prefill_repeats, "prefill_warmup": args.prefill_warmup,
+            "prefill_budget_s": args.prefill_budget,
             "moe_steps": args.moe_steps, "moe_warmup": args.moe_warmup,
-            "cpu": cpu_model(), "cpus": os.cpu_count(), "work": str(args.work),
+            "cpu": cpu_model(), "cpus": available_cpus(), "load_average_at_start": round(load_at_start, 2),
+            "work": str(args.work),
             "checkpoint": str(model_ckpt) if model_ckpt else None, "artifact": str(model_art) if model_art else None,
             "versions": {"python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
                          "torch": torch.__version__ if torch else None,
@@ -587,6 +629,7 @@ def main(argv=None) -> int:
     report["build_seconds"] = build_seconds
     report["wall_seconds"] = time.perf_counter() - started
     report["peak_rss_mb"] = peak_rss_mb()
+    report["setup"]["load_average_at_end"] = round(os.getloadavg()[0], 2)
     if args.json:
         print(json.dumps(report, indent=2, default=float))
     else:

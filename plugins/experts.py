@@ -74,15 +74,35 @@ def _dequantize(b: Body, bits: str, scale: str, index: str | None, rows: int, co
     return b.node("Mul", values, scales)
 
 
+def _chosen_experts_times(b: Body, bits: str, scale: str, vector: str, rows: int, cols: int, block: int) -> str:
+    """W_e v for each chosen expert: bits [e, rows, cols], vector [n, 1 or k, cols] -> [n, k, rows].
+
+    When rows fill whole blocks, the block scales multiply the small vector instead of the
+    dequantised weights: W v = sum over column blocks of s[row block, col block] * (q v), computed as
+    q [n, k, rows/block, block, cols] times (s expanded over columns * v) [n, k, rows/block, cols, 1].
+    """
+    if rows % block:
+        weights = _dequantize(b, bits, scale, "expert_ids", rows, cols, block, 2)  # [n, k, rows, cols]
+        return b.node("Squeeze", b.node("MatMul", weights, b.node("Unsqueeze", vector, b.const([3]))), b.const([3]))
+    codes = b.node("Cast", b.node("Gather", bits, "expert_ids", axis=0), to=onnx.TensorProto.INT32)
+    values = b.node("Gather", b.const(E4M3_VALUES, onnx.TensorProto.FLOAT), codes, axis=0)  # [n, k, rows, cols]
+    values = b.node("Reshape", values, b.const([0, 0, rows // block, block, cols]))
+    scales = b.node("Gather", b.node("Gather", scale, "expert_ids", axis=0),
+                    b.const([c // block for c in range(cols)]), axis=3)  # [n, k, rows/block, cols]
+    scaled_vector = b.node("Mul", scales, b.node("Unsqueeze", vector, b.const([2])))
+    out = b.node("MatMul", values, b.node("Unsqueeze", scaled_vector, b.const([4])))  # [n, k, rows/block, block, 1]
+    return b.node("Reshape", out, b.const([0, 0, rows]))
+
+
 def _gathered_branch(f: int, m: int, block: int) -> onnx.GraphProto:
-    """Decode: dequantise only the chosen experts, [n, k, rows, cols], and run them."""
+    """Decode: only the k chosen experts' weights are read and decoded."""
     b = Body("gathered")
-    x_column = b.node("Unsqueeze", "x", b.const([1, 3]))  # [n, 1, m, 1]
-    gate = b.node("MatMul", _dequantize(b, "gate_bits", "gate_scale", "expert_ids", f, m, block, 2), x_column)  # [n, k, f, 1]
-    up = b.node("MatMul", _dequantize(b, "up_bits", "up_scale", "expert_ids", f, m, block, 2), x_column)
+    x_rows = b.node("Unsqueeze", "x", b.const([1]))  # [n, 1, m]
+    gate = _chosen_experts_times(b, "gate_bits", "gate_scale", x_rows, f, m, block)  # [n, k, f]
+    up = _chosen_experts_times(b, "up_bits", "up_scale", x_rows, f, m, block)
     hidden = b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)
-    down = b.node("MatMul", _dequantize(b, "down_bits", "down_scale", "expert_ids", m, f, block, 2), hidden)  # [n, k, m, 1]
-    weighted = b.node("Mul", b.node("Squeeze", down, b.const([3])), b.node("Unsqueeze", "route_weights", b.const([2])))
+    down = _chosen_experts_times(b, "down_bits", "down_scale", hidden, m, f, block)  # [n, k, m]
+    weighted = b.node("Mul", down, b.node("Unsqueeze", "route_weights", b.const([2])))
     y = b.node("ReduceSum", weighted, b.const([1]), keepdims=0)
     return onnx.helper.make_graph(b.nodes, "gathered", [], [_float_output(y)])
 

@@ -276,6 +276,8 @@ def _experts_eager(x, expert_ids, route_weights, weights) -> torch.Tensor:
 EXPERT_CASES = [
     # n, k, e, f, m             (f, m not multiples of 128: partial edge blocks)
     (1, 4, 8, 96, 192),         # gathered: one decode token
+    (2, 3, 8, 256, 384),        # gathered, rows in whole blocks: scales applied to the vector
+    (1, 2, 4, 128, 130),        # gathered, whole row blocks, a partial column block
     (2, 4, 8, 320, 192),        # gathered: n*k == e exactly
     (3, 2, 16, 320, 130),       # gathered
     (3, 3, 8, 96, 192),         # dense: n*k = 9 > 8, just over the threshold
