@@ -17,7 +17,7 @@ Part 1, the whole model at batch 1, for each context length T (default 128 and 2
              MoE that runs every expert densely, head over every prompt position at prefill);
   hf         Hugging Face transformers' DeepseekV3ForCausalLM (float32, eager attention and
              experts, its own DynamicCache, head over the last position only), built from the
-             same checkpoint by tests/hf_deepseek.py; skipped with a note when transformers is absent.
+             same checkpoint by k2deploy.export.hf_deepseek; skipped with a note when transformers is absent.
   prefill    time to first token: a prompt of T random token ids into an empty cache, to the
              argmax of the last position's logits. One untimed warm-up round per T
              (--prefill-warmup: the first 2048-token run of ONNX Runtime was measured up to 2x
@@ -73,7 +73,6 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
 FP8_ONNX_TYPE = 17  # TensorProto.FLOAT8E4M3FN
 
 
@@ -226,12 +225,8 @@ class HfBackend:
         import torch
         from transformers import DynamicCache
 
-        sys.path.insert(0, str(REPO / "tests"))
-        try:
-            from hf_deepseek import build_hf_model
-        finally:
-            sys.path.remove(str(REPO / "tests"))
         from k2deploy.checkpoint.reader import Checkpoint
+        from k2deploy.export.hf_deepseek import build_hf_model
 
         self.torch, self.DynamicCache = torch, DynamicCache
         with Checkpoint.open(checkpoint) as ckpt:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import K2Error
+from .bench.cli import add_bench_parser
 from .runtime.serve.cli import add_serve_parser
 from .runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
 
@@ -252,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     quickstart.set_defaults(func=cmd_quickstart)
 
     add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

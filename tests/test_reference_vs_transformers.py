@@ -22,7 +22,7 @@ from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export.reference import prompt_logits  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 
-from hf_deepseek import build_hf_model  # noqa: E402
+from k2deploy.export.hf_deepseek import build_hf_model  # noqa: E402
 
 TOLERANCE = 1e-3
 SHORT, LONG = 12, 160  # LONG > the tiny preset's YaRN original_max_position_embeddings (128)
