@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 
+from ..command import run_command
 from ..errors import K2Error
 from ..runtime.tensorrt.cli import add_backend_argument
 
@@ -134,12 +135,4 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(["bench", *argv])
     args.command_line = " ".join(["k2deploy", "bench", *argv])
-    try:
-        args.func(args)
-    except K2Error as exc:
-        print(f"k2deploy bench: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("k2deploy bench: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_command("bench", lambda: args.func(args))

@@ -73,6 +73,8 @@ from pathlib import Path
 
 import numpy as np
 
+from k2deploy.bench.device import cpu_model
+
 FP8_ONNX_TYPE = 17  # TensorProto.FLOAT8E4M3FN
 
 
@@ -82,16 +84,6 @@ def log(message: str) -> None:
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def summary(samples_s: list[float]) -> dict:

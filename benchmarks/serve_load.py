@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -33,22 +32,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from k2deploy.bench.device import cpu_model
+
 REPO = Path(__file__).resolve().parent.parent
 STARTUP_S = 600
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def k2deploy(*args: str) -> None:

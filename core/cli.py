@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from .command import run_command
 from .errors import K2Error
 from .bench.cli import add_bench_parser
 from .runtime.serve.cli import add_serve_parser
@@ -259,12 +260,4 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        args.func(args)
-    except K2Error as exc:
-        print(f"k2deploy {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"k2deploy {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_command(args.command, lambda: args.func(args))

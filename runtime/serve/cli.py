@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import socket
-import sys
 from pathlib import Path
 
+from ...command import run_command
 from ...errors import K2Error
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -102,12 +102,4 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="k2deploy serve", description=DESCRIPTION)
     add_serve_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        cmd_serve(args)
-    except K2Error as exc:
-        print(f"k2deploy serve: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("k2deploy serve: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return run_command("serve", lambda: cmd_serve(args))
