@@ -69,12 +69,21 @@ def _layer_range(text: str | None) -> tuple[int, int] | None:
         raise K2Error(f"--layers {text!r}: expected START:STOP, e.g. 0:4") from None
 
 
+def _export_side():
+    """The exporter, or a K2Error naming the extra to install (a serving host has no torch)."""
+    try:
+        from .export import exporter
+    except ImportError as exc:
+        raise K2Error(f"exporting needs torch and onnx ({exc}): pip install 'k2deploy[export]'") from None
+    return exporter
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .export.exporter import ExportOptions, export_artifact
-
-    options = ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers), opset=args.opset)
+    exporter = _export_side()
+    options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
+                                     opset=args.opset)
     started = time.perf_counter()
     with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or None, file=sys.stderr) as bar:
         shown = [""]
@@ -85,7 +94,7 @@ def cmd_export(args: argparse.Namespace) -> None:
                 bar.set_description(label)
             bar.update(nbytes)
 
-        manifest = export_artifact(options, Path(args.out), force=args.force, on_progress=progress,
+        manifest = exporter.export_artifact(options, Path(args.out), force=args.force, on_progress=progress,
                                    on_total=lambda total: setattr(bar, "total", total))
     summary = {"artifact": args.out, "graphs": len(manifest["graphs"]["layers"]) + 2 * manifest["complete"],
                "bytes": sum(r["bytes"] for r in manifest["files"].values()), "kv_cache": manifest["kv_cache"]["format"],
@@ -155,6 +164,8 @@ def cmd_score(args: argparse.Namespace) -> None:
 
 def cmd_quickstart(args: argparse.Namespace) -> None:
     from .quickstart import run_quickstart
+
+    _export_side()
 
     def show(row: dict) -> None:
         if not args.json:

@@ -1,4 +1,4 @@
-"""The runtime path runs on a machine where `import torch` fails."""
+"""The runtime path runs on a machine where `import torch` (and onnx, onnxscript) fails."""
 
 import json
 import os
@@ -7,11 +7,13 @@ from cli import run_cli
 
 
 def _env_without_torch(tmp_path):
-    blocker = tmp_path / "blocked" / "torch"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed on this serving host')\n")
+    """PYTHONPATH in front of the real packages: torch, onnx and onnxscript raise on import."""
+    blocked = tmp_path / "blocked"
+    for name in ("torch", "onnx", "onnxscript"):
+        (blocked / name).mkdir(parents=True)
+        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed on this serving host')\n")
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(blocker.parent), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(blocked), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -30,7 +32,9 @@ def test_generate_score_and_inspect_import_no_torch(tiny_artifacts, tmp_path):
     assert scored.returncode == 0, scored.stderr
     assert run_cli("inspect", art, env=env).returncode == 0
     # and the blocker does block: the export side fails without torch
-    assert "torch is not installed" in run_cli("export", tmp_path / "c", "--out", tmp_path / "a", env=env).stderr
+    refused = run_cli("export", tmp_path / "c", "--out", tmp_path / "a", env=env)
+    assert refused.returncode == 2 and "pip install 'k2deploy[export]'" in refused.stderr
+    assert "is not installed on this serving host" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_score_writes_the_logits_of_every_position(tiny_artifacts, tmp_path):
