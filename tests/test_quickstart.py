@@ -1,0 +1,22 @@
+"""The README's main job: `k2deploy quickstart` makes, exports, checks parity and generates."""
+
+import json
+
+import pytest
+
+from cli import run_cli
+
+pytest.importorskip("torch")
+
+
+def test_quickstart_runs_the_whole_pipeline_and_holds_parity(tmp_path):
+    result = run_cli("quickstart", "--out", tmp_path, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["passed"]
+    assert [row["step"] for row in report["steps"]] == [
+        "make-checkpoint tiny", "export (bf16 cache)", "parity (bf16 cache)", "export (fp8 cache)",
+        "parity (fp8 cache)", "generate (fp8 cache)"]
+    assert report["parity"]["bf16"]["greedy_identical_tokens"] == 32
+    assert report["parity"]["fp8"]["score_max_abs_difference"] < 1e-3
+    assert (tmp_path / "artifact-fp8" / "manifest.json").exists()
