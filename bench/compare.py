@@ -8,10 +8,10 @@ on one type of device sit together.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..errors import K2Error
+from ..json_files import read_json
 from .report import NO_MATPLOTLIB, RESULT_FILE, _fmt, _plain_ticks, _pyplot, _table, have_matplotlib, run_label
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import show
@@ -33,10 +33,7 @@ def find_results(path: str | Path) -> list[Path]:
 
 
 def load_result(path: Path) -> dict:
-    try:
-        doc = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise K2Error(f"{path}: not a readable benchmark result ({exc})") from None
+    doc = read_json(path, "missing; run `k2deploy bench ART --out DIR` to make it")
     if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_NAME:
         raise K2Error(f"{path}: not a k2deploy bench result")
     if doc.get("schema_version") != SCHEMA_VERSION:

@@ -8,13 +8,13 @@ rejected with the field's name, rather than silently run with a guessed value.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import K2Error
+from .json_files import read_json
 
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
@@ -86,12 +86,7 @@ class ModelConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise K2Error(f"{path}: not found; a checkpoint directory holds a config.json") from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise K2Error(f"{path}: not valid JSON ({exc})") from None
+        raw = read_json(path, "not found; a checkpoint directory holds a config.json")
         return cls.from_dict(raw, source=str(path))
 
     def to_dict(self) -> dict[str, Any]:

@@ -8,13 +8,12 @@ written last and atomically, so an artifact without one is unfinished and never 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
+from .json_files import read_json
 
 FORMAT = "k2deploy-artifact"
 FORMAT_VERSION = 1
@@ -33,14 +32,6 @@ def sha256_file(path: Path) -> str:
 def file_record(root: Path, relative: str) -> dict:
     path = root / relative
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
-
-
-def write_json_atomically(path: Path, obj: dict) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(obj, indent=2) + "\n")
-    with open(partial, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(partial, path)
 
 
 @dataclass(frozen=True)
@@ -78,10 +69,7 @@ def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
     if not path.exists():
         raise K2Error(f"{root}: no {MANIFEST_FILE}; the export is unfinished or this is not an artifact "
                       f"(re-run `k2deploy export` to resume it)")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise K2Error(f"{path}: not valid JSON ({exc})") from None
+    data = read_json(path, "missing")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise K2Error(f"{path}: not a k2deploy manifest")
     if data.get("format_version") != FORMAT_VERSION:

@@ -27,7 +27,8 @@ import torch
 from ..checkpoint.reader import Checkpoint
 from ..config import ModelConfig
 from ..errors import K2Error
-from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record, write_json_atomically
+from ..json_files import write_json_atomically
+from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
 from .. import plugins
 from . import graph_modules as gm
 from .onnx_graph import io_spec, trace, write_graph

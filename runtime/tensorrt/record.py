@@ -8,11 +8,11 @@ and hash; `check_record` turns any mismatch into one line that says how to rebui
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ...errors import K2Error
-from ...manifest import sha256_file, write_json_atomically
+from ...json_files import read_json, write_json_atomically
+from ...manifest import sha256_file
 from .environment import GpuInfo
 
 ENGINES_DIR = "engines"
@@ -47,12 +47,7 @@ def write_record(directory: Path, record: dict) -> None:
 
 def read_record(directory: Path) -> dict:
     path = Path(directory) / RECORD_FILE
-    try:
-        record = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise K2Error(f"{path} is missing: the engines there are unfinished or were not built by k2deploy") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise K2Error(f"{path}: not valid JSON ({exc})") from None
+    record = read_json(path, "missing: the engines there are unfinished or were not built by k2deploy")
     if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
         raise K2Error(f"{path}: not a k2deploy engine record")
     return record

@@ -1,0 +1,28 @@
+"""JSON files the user hands over or the tools leave behind: read with one-line errors, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from .errors import K2Error
+
+
+def read_json(path: Path, missing: str) -> Any:
+    """The parsed file; a missing file raises K2Error "PATH: <missing>", a garbled one names the JSON error."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise K2Error(f"{path}: {missing}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise K2Error(f"{path}: not valid JSON ({exc})") from None
+
+
+def write_json_atomically(path: Path, obj: dict) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(obj, indent=2) + "\n")
+    with open(partial, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(partial, path)
