@@ -177,9 +177,9 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                     for chunk in checkpoint.stream(source))
 
         label = job.stem if job.layer is None else f"layer {job.layer + 1}/{config.num_hidden_layers}"
-        files = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
-                            on_bytes=lambda n, label=label: on_progress(n, label))
-        journal.record(job, {f"{GRAPH_DIR}/{f}": file_record(out, f"{GRAPH_DIR}/{f}") for f in files})
+        records = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
+                              on_bytes=lambda n, label=label: on_progress(n, label))
+        journal.record(job, {f"{GRAPH_DIR}/{name}": record for name, record in records.items()})
 
     tokenizer_files = _copy_tokenizer(Path(options.checkpoint), out)
     manifest = _manifest(options, config, jobs, traces, journal, tokenizer_files, out)

@@ -8,6 +8,7 @@ file: a real-size layer is exported within a few hundred MB of memory.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -21,6 +22,7 @@ import onnx_ir as ir
 import torch
 
 from .. import plugins
+from ..manifest import sha256_file
 
 ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .data file
 
@@ -46,24 +48,30 @@ def io_spec(values: Iterable[ir.Value]) -> list[dict]:
 
 def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory: Path, stem: str,
                 initializer_bytes: Callable[[str], Iterable[np.ndarray]],
-                on_bytes: Callable[[int], None] = lambda n: None) -> list[str]:
+                on_bytes: Callable[[int], None] = lambda n: None) -> dict[str, dict]:
     """Writes `stem.onnx` and `stem.data` into directory, each via a temporary name renamed at the end.
 
     initializer_bytes(name) gives the pieces whose concatenation is that initializer's data.
-    Returns the written file names.
+    Returns each written file's name -> {bytes, sha256}; the data is hashed as it is written, not read back.
     """
+    digest = hashlib.sha256()
+
+    def write(f, data) -> None:
+        f.write(data)
+        digest.update(data)
+
     data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
     data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"
     offset = 0
     with open(data_partial, "wb") as f:
         for name, value in model.graph.initializers.items():
             pad = -offset % ALIGNMENT
-            f.write(b"\0" * pad)
+            write(f, b"\0" * pad)
             offset += pad
             length = 0
             for piece in initializer_bytes(name):
                 chunk = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
-                f.write(chunk.data)
+                write(f, chunk.data)
                 length += chunk.nbytes
                 on_bytes(chunk.nbytes)
             expected = value.dtype.itemsize * math.prod(int(d) for d in value.shape)
@@ -80,4 +88,7 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
     onnx.save(proto, graph_partial)
     os.replace(data_partial, directory / data_name)
     os.replace(graph_partial, directory / graph_name)
-    return [graph_name, data_name]
+    return {
+        graph_name: {"bytes": (directory / graph_name).stat().st_size, "sha256": sha256_file(directory / graph_name)},
+        data_name: {"bytes": offset, "sha256": digest.hexdigest()},
+    }
