@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..plugins.tensorrt.descriptors import NAMESPACE, PLUGINS, VERSION
+from ..plugins.tensorrt.descriptors import DOMAIN_OP_PLUGINS, NAMESPACE, PLUGINS, VERSION
 
 OPS_FILE = Path(__file__).resolve().parents[1] / "plugins" / "tensorrt" / "tensorrt_onnx_ops.json"
 FOLD_LIMIT = 1 << 16  # constant computations up to this many elements are folded into initializers
@@ -133,31 +133,55 @@ def _set_attribute(node: onnx.NodeProto, name: str, value) -> None:
     node.attribute.append(helper.make_attribute(name, value))
 
 
+def _plugin_node(g: _Graph, source: onnx.NodeProto, plugin: str, inputs: list[str], outputs: list[str],
+                 aot: bool) -> onnx.NodeProto:
+    """A node the parser resolves to `plugin`: the plugin's own attributes from `source`, plus
+    plugin_namespace, plugin_version and (where an AOT kernel exists and is wanted) aot."""
+    spec = PLUGINS[plugin]
+    node = helper.make_node(plugin, inputs, outputs, name=f"{source.name or source.op_type}/{plugin}",
+                            domain=NAMESPACE)
+    node.attribute.extend(a for a in source.attribute if a.name in spec.attributes)
+    _set_attribute(node, "plugin_namespace", NAMESPACE)
+    _set_attribute(node, "plugin_version", VERSION)
+    if aot and spec.aot:
+        _set_attribute(node, "aot", 1)
+    g.counts[f"{plugin} plugin nodes"] += 1
+    for name, role in zip(inputs, spec.inputs):
+        tensor = g.initializers.get(name) if role in EXPERT_BITS_INPUTS else None
+        if tensor is not None and tensor.data_type == TensorProto.UINT8:
+            tensor.data_type = FP8  # same bytes: the bits are e4m3 values
+            g.types[tensor.name] = FP8
+            g.counts["expert bits typed UINT8 -> FLOAT8E4M3FN"] += 1
+    return node
+
+
 def _annotate_plugins(g: _Graph, aot: bool) -> None:
-    """Drops the plugin ops' function bodies and gives their nodes the parser's plugin attributes."""
-    kept = [f for f in g.model.functions if not (f.domain == NAMESPACE and f.name in PLUGINS)]
+    """Drops the custom ops' function bodies and turns each custom node into its plugin node(s): MoeExperts
+    becomes MoeExpertsUp (-> hidden [n, k, f]) and MoeExpertsDown."""
+    kept = [f for f in g.model.functions if not (f.domain == NAMESPACE and f.name in DOMAIN_OP_PLUGINS)]
     g.counts["plugin function bodies dropped"] += len(g.model.functions) - len(kept)
     del g.model.functions[:]
     g.model.functions.extend(kept)
+    nodes = []
     for node in g.graph.node:
         if node.domain != NAMESPACE:
+            nodes.append(node)
             continue
-        if node.op_type not in PLUGINS:
+        if node.op_type not in DOMAIN_OP_PLUGINS:
             raise ValueError(f"node {node.name}: op {NAMESPACE}::{node.op_type} has no TensorRT plugin "
-                             f"(plugins: {', '.join(PLUGINS)})")
-        spec = PLUGINS[node.op_type]
-        _set_attribute(node, "plugin_namespace", NAMESPACE)
-        _set_attribute(node, "plugin_version", VERSION)
-        if aot and spec.aot:
-            _set_attribute(node, "aot", 1)
-        g.counts[f"{node.op_type} plugin nodes"] += 1
-        if node.op_type == "MoeExperts":
-            for index in (spec.inputs.index(n) for n in EXPERT_BITS_INPUTS):
-                tensor = g.initializers.get(node.input[index])
-                if tensor is not None and tensor.data_type == TensorProto.UINT8:
-                    tensor.data_type = FP8  # same bytes: the bits are e4m3 values
-                    g.types[tensor.name] = FP8
-                    g.counts["expert bits typed UINT8 -> FLOAT8E4M3FN"] += 1
+                             f"(custom ops with plugins: {', '.join(DOMAIN_OP_PLUGINS)})")
+        if node.op_type != "MoeExperts":
+            nodes.append(_plugin_node(g, node, node.op_type, list(node.input), list(node.output), aot))
+            continue
+        x, ids, weights, gate, gate_scale, up, up_scale, down, down_scale = node.input
+        hidden = g.fresh("experts_hidden")
+        g.types[hidden] = TensorProto.FLOAT
+        nodes.append(_plugin_node(g, node, "MoeExpertsUp", [x, ids, gate, gate_scale, up, up_scale], [hidden], aot))
+        nodes.append(_plugin_node(g, node, "MoeExpertsDown", [hidden, ids, weights, down, down_scale],
+                                  list(node.output), aot))
+        g.counts["MoeExperts -> MoeExpertsUp + MoeExpertsDown"] += 1
+    del g.graph.node[:]
+    g.graph.node.extend(nodes)
 
 
 def _castlike_to_cast(g: _Graph) -> None:

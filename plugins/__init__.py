@@ -8,12 +8,13 @@ import onnx
 import torch
 
 from ..config import ModelConfig
-from .experts import moe_experts, moe_experts_function, moe_experts_onnx
+from .experts import moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_onnx, moe_experts_up_function
 from .mla import mla_attention, mla_attention_function, mla_attention_onnx
 from .onnx_domain import DOMAIN, VERSION
 from .routing import moe_route, moe_route_function, moe_route_onnx
 
-__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "onnx_functions", "translation_table"]
+__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "onnx_functions", "split_functions",
+           "translation_table"]
 
 
 def translation_table() -> dict:
@@ -25,9 +26,13 @@ def translation_table() -> dict:
     }
 
 
+def _block(config: ModelConfig) -> int:
+    return config.fp8_block[0] if config.fp8_block else 128
+
+
 def onnx_functions(config: ModelConfig) -> list[onnx.FunctionProto]:
     """The function bodies of every custom node, for this model's dimensions and settings."""
-    block = config.fp8_block[0] if config.fp8_block else 128
+    block = _block(config)
     return [
         moe_route_function(config.num_experts_per_tok, config.n_group, config.topk_group, config.norm_topk_prob,
                            config.routed_scaling_factor),
@@ -35,3 +40,10 @@ def onnx_functions(config: ModelConfig) -> list[onnx.FunctionProto]:
         mla_attention_function(config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
                                config.softmax_scale),
     ]
+
+
+def split_functions(config: ModelConfig) -> list[onnx.FunctionProto]:
+    """The bodies of the two plugins a TensorRT copy runs MoeExperts as (MoeExpertsUp, MoeExpertsDown):
+    with these, ONNX Runtime runs a TensorRT copy of a graph, to check it against the original."""
+    f, m, block = config.moe_intermediate_size, config.hidden_size, _block(config)
+    return [moe_experts_up_function(f, m, block), moe_experts_down_function(f, m, block)]

@@ -4,7 +4,9 @@ Expert weights stay FP8 (their e4m3 bits held as uint8 [e, rows, cols], with flo
 scales [e, ceil(rows/128), ceil(cols/128)]); only the chosen experts are dequantised, so a
 decode step reads k experts, not e. When a batch routes more token-expert pairs than there
 are experts (prefill), the ONNX body instead loops over the experts, running each once on the
-tokens routed to it.
+tokens routed to it. The TensorRT copy of a graph runs the op as two plugins, MoeExpertsUp
+(the chosen experts' SwiGLU -> hidden [n, k, f]) and MoeExpertsDown (their weighted down
+projection); their bodies here let ONNX Runtime run that copy too.
 """
 
 from __future__ import annotations
@@ -17,18 +19,35 @@ from .fp8 import E4M3_VALUES, dequantize
 from .onnx_domain import Body, FunctionSpec, custom_node
 
 
-def experts_eager(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale,
-                  block: int) -> torch.Tensor:
-    """x [n, m], expert_ids / route_weights [n, k], *_bits [e, rows, cols] uint8 -> [n, m] float32."""
-    out = torch.zeros_like(x, dtype=torch.float32)
+def experts_up_eager(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block: int) -> torch.Tensor:
+    """The SwiGLU of each token's chosen experts: x [n, m], expert_ids [n, k], gate/up bits [e, f, m]
+    -> hidden [n, k, f] float32, silu(G_e x) * (U_e x) for the expert e in each slot."""
+    n, k = expert_ids.shape
+    hidden = torch.zeros((n, k, gate_bits.shape[1]), dtype=torch.float32, device=x.device)
     for expert in expert_ids.unique().tolist():
         tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
         chosen = x[tokens].float()
-        hidden = F.silu(chosen @ dequantize(gate_bits[expert], gate_scale[expert], block).T)
-        hidden = hidden * (chosen @ dequantize(up_bits[expert], up_scale[expert], block).T)
-        expert_out = hidden @ dequantize(down_bits[expert], down_scale[expert], block).T
+        gate = chosen @ dequantize(gate_bits[expert], gate_scale[expert], block).T
+        hidden[tokens, slots] = F.silu(gate) * (chosen @ dequantize(up_bits[expert], up_scale[expert], block).T)
+    return hidden
+
+
+def experts_down_eager(hidden, expert_ids, route_weights, down_bits, down_scale, block: int) -> torch.Tensor:
+    """The chosen experts' down projections, weighted and summed: hidden [n, k, f], expert_ids / route_weights
+    [n, k], down bits [e, m, f] -> [n, m] float32."""
+    out = torch.zeros((hidden.shape[0], down_bits.shape[1]), dtype=torch.float32, device=hidden.device)
+    for expert in expert_ids.unique().tolist():
+        tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
+        expert_out = hidden[tokens, slots] @ dequantize(down_bits[expert], down_scale[expert], block).T
         out.index_add_(0, tokens, expert_out * route_weights[tokens, slots, None])
     return out
+
+
+def experts_eager(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale,
+                  block: int) -> torch.Tensor:
+    """x [n, m], expert_ids / route_weights [n, k], *_bits [e, rows, cols] uint8 -> [n, m] float32."""
+    hidden = experts_up_eager(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block)
+    return experts_down_eager(hidden, expert_ids, route_weights, down_bits, down_scale, block)
 
 
 @torch.library.custom_op("k2deploy::moe_experts", mutates_args=())
@@ -53,6 +72,12 @@ EXPERTS = FunctionSpec(
     ["block"],
 )
 _experts_node = custom_node(EXPERTS.name, EXPERTS.inputs, EXPERTS.outputs, {"block": int})
+
+# MoeExperts in two halves, as the TensorRT copy of a graph runs it (two plugins: an AOT plugin is one kernel).
+EXPERTS_UP = FunctionSpec("MoeExpertsUp", ["x", "expert_ids", "gate_bits", "gate_scale", "up_bits", "up_scale"],
+                          ["hidden"], ["block"])
+EXPERTS_DOWN = FunctionSpec("MoeExpertsDown", ["hidden", "expert_ids", "route_weights", "down_bits", "down_scale"],
+                            ["y"], ["block"])
 
 
 def moe_experts_onnx(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale,
@@ -94,16 +119,25 @@ def _chosen_experts_times(b: Body, bits: str, scale: str, vector: str, rows: int
     return b.node("Reshape", out, b.const([0, 0, rows]))
 
 
-def _gathered_branch(f: int, m: int, block: int) -> onnx.GraphProto:
-    """Decode: only the k chosen experts' weights are read and decoded."""
-    b = Body("gathered")
+def _chosen_swiglu(b: Body, f: int, m: int, block: int) -> str:
+    """silu(G_e x) * (U_e x) for each chosen expert: -> [n, k, f]."""
     x_rows = b.node("Unsqueeze", "x", b.const([1]))  # [n, 1, m]
     gate = _chosen_experts_times(b, "gate_bits", "gate_scale", x_rows, f, m, block)  # [n, k, f]
     up = _chosen_experts_times(b, "up_bits", "up_scale", x_rows, f, m, block)
-    hidden = b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)
+    return b.node("Mul", b.node("Mul", gate, b.node("Sigmoid", gate)), up)
+
+
+def _chosen_down(b: Body, hidden: str, f: int, m: int, block: int) -> str:
+    """sum over slots of route weight * D_e hidden: hidden [n, k, f] -> [n, m]."""
     down = _chosen_experts_times(b, "down_bits", "down_scale", hidden, m, f, block)  # [n, k, m]
     weighted = b.node("Mul", down, b.node("Unsqueeze", "route_weights", b.const([2])))
-    y = b.node("ReduceSum", weighted, b.const([1]), keepdims=0)
+    return b.node("ReduceSum", weighted, b.const([1]), keepdims=0)
+
+
+def _gathered_branch(f: int, m: int, block: int) -> onnx.GraphProto:
+    """Decode: only the k chosen experts' weights are read and decoded."""
+    b = Body("gathered")
+    y = _chosen_down(b, _chosen_swiglu(b, f, m, block), f, m, block)
     return onnx.helper.make_graph(b.nodes, "gathered", [], [_float_output(y)])
 
 
@@ -152,3 +186,17 @@ def moe_experts_function(n_experts: int, expert_width: int, hidden: int, block: 
                else_branch=_gathered_branch(expert_width, hidden, block))
     b.rename(y, "y")
     return EXPERTS.function(b)
+
+
+def moe_experts_up_function(expert_width: int, hidden: int, block: int) -> onnx.FunctionProto:
+    """MoeExpertsUp's body (the TensorRT copy's first half of MoeExperts), for running that copy elsewhere."""
+    b = Body("experts_up")
+    b.rename(_chosen_swiglu(b, expert_width, hidden, block), "hidden")
+    return EXPERTS_UP.function(b)
+
+
+def moe_experts_down_function(expert_width: int, hidden: int, block: int) -> onnx.FunctionProto:
+    """MoeExpertsDown's body (the second half)."""
+    b = Body("experts_down")
+    b.rename(_chosen_down(b, "hidden", expert_width, hidden, block), "y")
+    return EXPERTS_DOWN.function(b)

@@ -1,9 +1,10 @@
-"""Triton kernels of the TensorRT plugins: MoE routing and absorbed MLA attention.
+"""Triton kernels of the TensorRT plugins: MoE routing, the chosen experts' SwiGLU and down
+projection over FP8 weights, and absorbed MLA attention.
 
-Ordinary functions: the `@triton.jit` kernels, wrappers that check their torch inputs and launch
-them (`moe_route`, `mla_attention`, `mla_decode_fp8`), and `compile_ptx`, which the
-ahead-of-time plugin implementations use to turn a kernel into PTX. This module imports triton;
-import it only where triton is installed (the plugin registrations do so lazily).
+Ordinary functions: the `@triton.jit` kernels and wrappers that check their torch inputs and
+launch them (`moe_route`, `moe_experts_up`, `moe_experts_down`, `mla_attention`,
+`mla_decode_fp8`); `tensorrt/aot.py` compiles the kernels to PTX for the ahead-of-time plugins.
+This module imports triton; import it only where triton is installed.
 
 Kernel arguments follow the order TensorRT's AOT plugins launch with: the plugin's input
 pointers, then integer scalars, then output pointers; everything else is a constexpr.
@@ -14,7 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-NEG = -1.0e30  # "minus infinity" that keeps the online softmax free of inf - inf
+NEG = tl.constexpr(-1.0e30)  # "minus infinity" that keeps the online softmax free of inf - inf
+# Software-pipeline depth of the MLA kernels. At Kimi K2's latent of 512, shared memory per program
+# is 109 / 75 / 72 KB for 3 / 2 / 1 stages over a float latent, 136 / 104 / 72 KB over the FP8 cache:
+# one stage fits every GPU from Ampere on (Ada allows 99 KB a block).
+MLA_STAGES = 1
 
 
 def next_power_of_2(n: int) -> int:
@@ -113,6 +118,134 @@ def moe_route(x, router_weight, correction_bias, top_k: int, n_group: int, topk_
         moe_route_kernel[(n,)](x, w, bias, n, m, e, weights, ids,
                                **route_constants(e, m, top_k, n_group, topk_group, normalise, scaling))
     return weights, ids
+
+
+# -- MoE experts: the chosen experts' SwiGLU, then their weighted down projection ------------
+# Two kernels, because an AOT plugin is one launch: MoeExpertsUp writes hidden [n, k, f], then
+# MoeExpertsDown reads all of it for each output block. Each program reads only chosen experts.
+
+@triton.jit
+def _e4m3(bits):
+    """e4m3 bytes -> float32: subnormal m * 2^-9, normal (8 + m) * 2^(e - 10), sign in bit 7.
+    Decoded arithmetically, so one kernel takes FP8 or uint8 storage on any GPU (and the interpreter)."""
+    b = bits.to(tl.int32) & 255
+    exponent = (b >> 3) & 15
+    mantissa = (b & 7).to(tl.float32)
+    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,
+                         (mantissa + 8.0) * tl.exp2((exponent - 10).to(tl.float32)))
+    return tl.where(b >= 128, -magnitude, magnitude)
+
+
+@triton.jit
+def _chosen_rows_times(w_ptr, scale_ptr, expert, rows, n_rows, n_cols, v_ptr,
+                       QBLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(W_expert v)[rows] -> [BLOCK_R] float32. W [e, n_rows, n_cols] e4m3 bytes, scales [e, ceil(n_rows /
+    QBLOCK), ceil(n_cols / QBLOCK)] float32, v [n_cols] float32. BLOCK_C divides QBLOCK: a column tile lies
+    in one scale block, so each row's scale multiplies the tile's partial sum, not every weight."""
+    row_mask = rows < n_rows
+    scale_cols = tl.cdiv(n_cols, QBLOCK)
+    scale_row = scale_ptr + (expert * tl.cdiv(n_rows, QBLOCK) + rows // QBLOCK) * scale_cols
+    w_row = w_ptr + (expert * n_rows + rows.to(tl.int64)) * n_cols
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_C):
+        cols = start + tl.arange(0, BLOCK_C)
+        col_mask = cols < n_cols
+        v = tl.load(v_ptr + cols, mask=col_mask, other=0.0)
+        q = _e4m3(tl.load(w_row[:, None] + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0))
+        scale = tl.load(scale_row + start // QBLOCK, mask=row_mask, other=0.0)
+        acc += scale * tl.sum(q * v[None, :], axis=1)
+    return acc
+
+
+@triton.jit
+def moe_experts_up_kernel(x_ptr, ids_ptr, gate_ptr, gate_scale_ptr, up_ptr, up_scale_ptr, top_k, hidden, width,
+                          out_ptr, QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (pair, row block): out[pair, rows] = silu(G x) * (U x) for token pair // k's expert in slot
+    pair % k. x [n, hidden], ids [n, k], gate/up [e, width, hidden] -> out [n, k, width] float32."""
+    pair = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert = tl.load(ids_ptr + pair)
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * hidden
+    gate = _chosen_rows_times(gate_ptr, gate_scale_ptr, expert, rows, width, hidden, x_row, QBLOCK, BLOCK_C)
+    up = _chosen_rows_times(up_ptr, up_scale_ptr, expert, rows, width, hidden, x_row, QBLOCK, BLOCK_C)
+    tl.store(out_ptr + pair.to(tl.int64) * width + rows, gate * tl.sigmoid(gate) * up, mask=rows < width)
+
+
+@triton.jit
+def moe_experts_down_kernel(h_ptr, ids_ptr, weights_ptr, down_ptr, down_scale_ptr, top_k, hidden, width, out_ptr,
+                            QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program (token, row block): out[token, rows] = sum over slots of weight * (D_expert h[token, slot])[rows].
+    h [n, k, width], ids / weights [n, k], down [e, hidden, width] -> out [n, hidden] float32."""
+    token = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for slot in range(0, top_k):
+        pair = token * top_k + slot
+        expert = tl.load(ids_ptr + pair)
+        weight = tl.load(weights_ptr + pair)
+        acc += weight * _chosen_rows_times(down_ptr, down_scale_ptr, expert, rows, hidden, width,
+                                           h_ptr + pair.to(tl.int64) * width, QBLOCK, BLOCK_C)
+    tl.store(out_ptr + token.to(tl.int64) * hidden + rows, acc, mask=rows < hidden)
+
+
+def experts_constants(block: int) -> dict:
+    """QBLOCK: the FP8 scale block; BLOCK_C: the largest power of two up to 64 that divides it."""
+    return {"QBLOCK": int(block), "BLOCK_R": 32, "BLOCK_C": min(64, int(block) & -int(block))}
+
+
+def _check_experts(ids, bits, scale, rows: int, cols: int, block: int, what: str) -> None:
+    _need(ids.ndim == 2 and not ids.dtype.is_floating_point, f"{what}: expert_ids must be integer [n, k]")
+    _need(bits.ndim == 3 and tuple(bits.shape[1:]) == (rows, cols) and bits.element_size() == 1,
+          f"{what}: expected FP8 bits [e, {rows}, {cols}], got {tuple(bits.shape)} {bits.dtype}")
+    _need(tuple(scale.shape) == (bits.shape[0], -(-rows // block), -(-cols // block)),
+          f"{what}: scales {tuple(scale.shape)} do not hold one per {block}-block of {tuple(bits.shape)}")
+
+
+def _as_bytes(bits):
+    import torch
+
+    return bits.contiguous().view(torch.uint8)
+
+
+def moe_experts_up(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block: int):
+    """The MoeExpertsUp plugin on torch tensors: x [n, m] float32, expert_ids [n, k], gate/up bits [e, f, m]
+    (float8_e4m3fn or uint8), scales [e, ceil(f/block), ceil(m/block)] -> hidden [n, k, f] float32."""
+    import torch
+
+    n, m = x.shape
+    f = gate_bits.shape[1]
+    _check_experts(expert_ids, gate_bits, gate_scale, f, m, block, "moe_experts_up gate")
+    _check_experts(expert_ids, up_bits, up_scale, f, m, block, "moe_experts_up up")
+    _same_device(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale)
+    k = expert_ids.shape[1]
+    out = torch.empty((n, k, f), dtype=torch.float32, device=x.device)
+    constants = experts_constants(block)
+    if out.numel():
+        moe_experts_up_kernel[(n * k, triton.cdiv(f, constants["BLOCK_R"]))](
+            x.contiguous().float(), expert_ids.contiguous().long(), _as_bytes(gate_bits), gate_scale.contiguous().float(),
+            _as_bytes(up_bits), up_scale.contiguous().float(), k, m, f, out, **constants)
+    return out
+
+
+def moe_experts_down(hidden, expert_ids, route_weights, down_bits, down_scale, block: int):
+    """The MoeExpertsDown plugin on torch tensors: hidden [n, k, f] float32, expert_ids / route_weights [n, k],
+    down bits [e, m, f], scales [e, ceil(m/block), ceil(f/block)] -> y [n, m] float32."""
+    import torch
+
+    n, k, f = hidden.shape
+    m = down_bits.shape[1]
+    _check_experts(expert_ids, down_bits, down_scale, m, f, block, "moe_experts_down")
+    _need(tuple(expert_ids.shape) == tuple(route_weights.shape) == (n, k),
+          f"moe_experts_down: expert_ids {tuple(expert_ids.shape)} and route_weights {tuple(route_weights.shape)} "
+          f"are not [{n}, {k}]")
+    _same_device(hidden, expert_ids, route_weights, down_bits, down_scale)
+    out = torch.empty((n, m), dtype=torch.float32, device=hidden.device)
+    constants = experts_constants(block)
+    if out.numel():
+        moe_experts_down_kernel[(n, triton.cdiv(m, constants["BLOCK_R"]))](
+            hidden.contiguous().float(), expert_ids.contiguous().long(), route_weights.contiguous().float(),
+            _as_bytes(down_bits), down_scale.contiguous().float(), k, m, f, out, **constants)
+    return out
 
 
 # -- absorbed MLA attention -----------------------------------------------------------------
@@ -231,7 +364,7 @@ def mla_attention(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, 
         mla_attention_kernel[(b * s, triton.cdiv(h, constants["BLOCK_H"]))](
             q_nope, q_pe, latent, rope, w, mask,
             s, latent.shape[1], h, latent.stride(0), latent.stride(1), rope.stride(0), rope.stride(1), out,
-            **constants)
+            num_stages=MLA_STAGES, **constants)
     return out
 
 
@@ -264,26 +397,9 @@ def mla_decode_fp8(q_nope, q_pe, latent, latent_scale, rope, kv_b_weight, length
         mla_attention_fp8_kernel[(b * s, triton.cdiv(h, constants["BLOCK_H"]))](
             q_nope, q_pe, latent, latent_scale.float(), rope, w, mask, s, keys, h,
             latent.stride(1), latent.stride(0), latent_scale.stride(1), latent_scale.stride(0),
-            rope.stride(1), rope.stride(0), out, GROUP=c // latent_scale.shape[2], **constants)
+            rope.stride(1), rope.stride(0), out, GROUP=c // latent_scale.shape[2], num_stages=MLA_STAGES,
+            **constants)
     return out
-
-
-# -- ahead-of-time compilation --------------------------------------------------------------
-
-def compile_ptx(kernel, signature: dict[str, str], constexprs: dict):
-    """Compiles a kernel for the current GPU: -> (kernel name, PTX text, num_warps, shared memory bytes).
-
-    signature maps each non-constexpr parameter to its Triton type ("*fp32", "i32", ...).
-    """
-    from triton.compiler import ASTSource
-
-    try:  # Triton >= 3.2: signature dict with the constexprs in it, constexprs= by name
-        source = ASTSource(fn=kernel, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                           constexprs=constexprs)
-    except TypeError:  # older Triton: a comma-separated signature and constants=
-        source = ASTSource(fn=kernel, signature=",".join(signature.values()), constants=constexprs)
-    compiled = triton.compile(source)
-    return compiled.metadata.name, compiled.asm["ptx"], compiled.metadata.num_warps, compiled.metadata.shared
 
 
 # -- helpers --------------------------------------------------------------------------------

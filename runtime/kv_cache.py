@@ -12,10 +12,15 @@ bf16: latent bits [L, T, B, c] uint16, rope [L, T, B, r] float16 -> 1152 bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from onnxruntime import OrtValue
 
 from ..errors import K2Error
+
+if TYPE_CHECKING:
+    from .cache_rows import CacheRows
 
 # ONNX TensorProto element types (onnx itself is not needed at run time)
 BFLOAT16, FLOAT8E4M3FN = 16, 17
@@ -72,6 +77,12 @@ class LatentCache:
         self.rope[layer, slots, rows] = entries["new_rope"][rows, steps]
         if self.latent_scale is not None:
             self.latent_scale[layer, slots, rows] = entries["new_latent_scale"][rows, steps]
+
+    def rows(self, slots: list[int]) -> CacheRows:
+        """The cache as one forward over the given slots (in that order) sees it."""
+        from .cache_rows import CacheRows
+
+        return CacheRows(self, slots)
 
     def release(self, row: int) -> None:
         """Frees a row's slots for the next sequence (its stale entries stay masked: length 0)."""

@@ -1,7 +1,24 @@
+import os
+
 import pytest
 
 from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config
 from k2deploy.checkpoint.synthetic import write_checkpoint
+
+
+
+def _cuda_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+# Without a CUDA GPU the Triton kernels run in Triton's interpreter (tests/test_triton_kernels.py). Triton
+# fixes the mode when it is first imported, so it is chosen here, before any test module imports it.
+if not _cuda_gpu():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(scope="session")

@@ -122,7 +122,6 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     gives in a cache of its own, and leaves the other slots alone."""
     from k2deploy.manifest import load_manifest
     from k2deploy.runtime.ort_backend import OrtModel
-    from k2deploy.runtime.serve.cache_rows import CacheRows
 
     model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=2)
     prompt = np.array([[5, 17, 300, 42, 9]], dtype=np.int64)
@@ -135,10 +134,10 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
 
     shared = model.new_cache(4, 16)
     shared.latent[:] = 1  # stale entries of other slots must not leak in
-    rows = CacheRows(shared, [2])
+    rows = shared.rows([2])
     shared_logits = [model.logits(model.forward(prompt, positions, valid, rows))[0, -1]]
     rows.commit()
-    rows = CacheRows(shared, [2])
+    rows = shared.rows([2])
     shared_logits.append(model.logits(model.forward(np.array([[7]]), rows.lengths[:, None].copy(),
                                                     np.ones((1, 1), bool), rows))[0, 0])
     rows.commit()

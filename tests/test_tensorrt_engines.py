@@ -178,7 +178,7 @@ def test_the_device_cache_stores_entries_where_the_host_cache_does():
     import numpy as np
     pytest.importorskip("onnxruntime")
     from k2deploy.runtime.kv_cache import LatentCache
-    from k2deploy.runtime.tensorrt.backend import DeviceLatentCache
+    from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
 
     spec = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
     layers, batch, max_len, s = 2, 3, 10, 4
@@ -204,3 +204,94 @@ def test_the_device_cache_stores_entries_where_the_host_cache_does():
         start = device.buffers[name].pointer
         stored = np.frombuffer(bytes(cuda.memory[start:start + array.nbytes]), dtype=array.dtype).reshape(array.shape)
         np.testing.assert_array_equal(stored, array, err_msg=name)
+
+
+def _device_and_host_caches(layers, batch, max_len):
+    """A DeviceLatentCache on FakeCuda and a LatentCache, both holding the same random ragged prefill."""
+    import numpy as np
+    from k2deploy.runtime.kv_cache import LatentCache
+    from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
+
+    spec = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
+    cuda = FakeCuda()
+    device, host = DeviceLatentCache(spec, layers, batch, max_len, cuda, stream=None), LatentCache(spec, layers, batch, max_len)
+    rng = np.random.default_rng(1)
+    positions = np.broadcast_to(np.arange(5), (batch, 5))
+    valid = positions < rng.integers(1, 6, (batch, 1))
+    for layer in range(layers):
+        entries = _random_entries(rng, batch, 5)
+        host.store(layer, positions, valid, entries)
+        device.store(layer, positions, valid, _on_device(cuda, entries))
+    host.lengths = device.lengths = valid.sum(axis=1)
+    return cuda, device, host
+
+
+def _random_entries(rng, b, s):
+    import numpy as np
+
+    return {"new_latent": rng.integers(0, 255, (b, s, 8), dtype=np.uint8),
+            "new_rope": rng.standard_normal((b, s, 4)).astype(np.float16),
+            "new_latent_scale": rng.random((b, s, 2)).astype(np.float32)}
+
+
+def _on_device(cuda, entries):
+    pointers = {}
+    for name, array in entries.items():
+        address = pointers[name.removeprefix("new_")] = cuda.malloc(array.nbytes)
+        cuda.memory[address:address + array.nbytes] = array.tobytes()
+    return pointers
+
+
+def _read(cuda, address, like):
+    import numpy as np
+
+    return np.frombuffer(bytes(cuda.memory[address:address + like.nbytes]), dtype=like.dtype).reshape(like.shape)
+
+
+@pytest.mark.parametrize("slots", [[2, 0], [1], [0, 1, 2, 3]], ids=["two-reordered", "one", "whole"])
+def test_device_cache_rows_see_and_grow_the_slots_the_host_rows_do(slots):
+    """The server runs a forward over some slots of the cache: on the GPU the rows' past is gathered into
+    one block per layer and the new entries land in their slots, exactly as on the host."""
+    import numpy as np
+    pytest.importorskip("onnxruntime")
+
+    cuda, device, host = _device_and_host_caches(layers=2, batch=4, max_len=12)
+    device_rows, host_rows = device.rows(slots), host.rows(slots)
+    past = int(host_rows.lengths.max())
+    for layer in range(2):
+        host_inputs = host_rows.past_inputs(layer, past)
+        for name in ("latent", "rope", "latent_scale"):
+            expected = host_inputs[f"past_{name}"].numpy()
+            if name == "latent":
+                expected = expected.view(np.uint8)
+            np.testing.assert_array_equal(_read(cuda, device_rows.past_address(name, layer, past), expected), expected,
+                                          err_msg=f"layer {layer} {name}")
+    positions = host_rows.lengths[:, None] + np.arange(2)  # two new tokens after what each slot holds
+    valid = np.ones_like(positions, dtype=bool)
+    entries = _random_entries(np.random.default_rng(2), len(slots), 2)
+    host_rows.store(1, positions, valid, entries)
+    device_rows.store(1, positions, valid, _on_device(cuda, entries))
+    for rows in (host_rows, device_rows):
+        rows.lengths = rows.lengths + 2
+        rows.commit()
+    assert device.lengths.tolist() == host.lengths.tolist()
+    for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
+        np.testing.assert_array_equal(_read(cuda, device.buffers[name].pointer, array), array, err_msg=name)
+
+
+def test_device_cache_rows_must_be_distinct_slots():
+    _, device, _ = _device_and_host_caches(layers=1, batch=3, max_len=8)
+    for slots in ([0, 0], [3]):
+        with pytest.raises(K2Error, match="not distinct slots of a 3-slot cache"):
+            device.rows(slots)
+
+
+@pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")
+@pytest.mark.parametrize("command", ["serve", "generate", "score", "bench"])
+def test_without_tensorrt_each_runtime_command_says_what_to_install(tiny_artifacts, command):
+    from cli import run_cli
+
+    extra = {"generate": ["--prompt", "hi"], "score": ["--prompt-ids", "1,2", "--out", "unused.npy"]}.get(command, [])
+    done = run_cli(command, tiny_artifacts["fp8"], "--backend", "tensorrt", *extra)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [f"k2deploy {command}: error: {INSTALL_HINT}"]

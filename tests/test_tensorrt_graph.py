@@ -24,7 +24,8 @@ EXPECTED_REWRITES = {
                   "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
                   "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
     "layer_001": {"plugin function bodies dropped": 3, "MlaAttention plugin nodes": 1, "MoeRoute plugin nodes": 1,
-                  "MoeExperts plugin nodes": 1, "expert bits typed UINT8 -> FLOAT8E4M3FN": 3,
+                  "MoeExperts -> MoeExpertsUp + MoeExpertsDown": 1, "MoeExpertsUp plugin nodes": 1,
+                  "MoeExpertsDown plugin nodes": 1, "expert bits typed UINT8 -> FLOAT8E4M3FN": 3,
                   "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
                   "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
 }
@@ -144,7 +145,7 @@ def _runnable(manifest, path: str) -> bytes:
     from k2deploy import plugins
 
     model = onnx.load(path)
-    model.functions.extend(plugins.onnx_functions(manifest.config))
+    model.functions.extend(plugins.onnx_functions(manifest.config) + plugins.split_functions(manifest.config))
     for node in model.graph.node:
         if node.domain == NAMESPACE:
             kept = [a for a in node.attribute if a.name not in ("plugin_namespace", "plugin_version", "aot")]

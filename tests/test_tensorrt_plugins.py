@@ -15,11 +15,18 @@ def route_inputs(n):
     return [TensorSpec((n, M), FLOAT), TensorSpec((E, M), FLOAT), TensorSpec((E,), FLOAT)]
 
 
-def experts_inputs(n, bits=FP8):
-    blocks = lambda rows, cols: (E, -(-rows // 128), -(-cols // 128))  # noqa: E731
-    return [TensorSpec((n, M), FLOAT), TensorSpec((n, K), INT64), TensorSpec((n, K), FLOAT),
-            TensorSpec((E, F, M), bits), TensorSpec(blocks(F, M), FLOAT), TensorSpec((E, F, M), bits),
-            TensorSpec(blocks(F, M), FLOAT), TensorSpec((E, M, F), bits), TensorSpec(blocks(M, F), FLOAT)]
+def _blocks(rows, cols):
+    return (E, -(-rows // 128), -(-cols // 128))
+
+
+def experts_up_inputs(n, bits=FP8):
+    return [TensorSpec((n, M), FLOAT), TensorSpec((n, K), INT64), TensorSpec((E, F, M), bits),
+            TensorSpec(_blocks(F, M), FLOAT), TensorSpec((E, F, M), bits), TensorSpec(_blocks(F, M), FLOAT)]
+
+
+def experts_down_inputs(n, bits=FP8):
+    return [TensorSpec((n, K, F), FLOAT), TensorSpec((n, K), INT64), TensorSpec((n, K), FLOAT),
+            TensorSpec((E, M, F), bits), TensorSpec(_blocks(M, F), FLOAT)]
 
 
 def attention_inputs(b, s, t):
@@ -41,8 +48,12 @@ def test_moe_route_outputs(phase):
 @pytest.mark.parametrize("phase", SHAPES)
 @pytest.mark.parametrize("bits", [FP8, UINT8])
 def test_moe_experts_outputs(phase, bits):
+    """MoeExperts runs as two plugins: the chosen experts' SwiGLU [n, k, f], then their weighted sum [n, m]."""
     b, s, _ = SHAPES[phase]
-    assert output_specs("MoeExperts", experts_inputs(b * s, bits), {"block": 128}) == [TensorSpec((b * s, M), FLOAT)]
+    assert output_specs("MoeExpertsUp", experts_up_inputs(b * s, bits), {"block": 128}) == [
+        TensorSpec((b * s, K, F), FLOAT)]
+    assert output_specs("MoeExpertsDown", experts_down_inputs(b * s, bits), {"block": 128}) == [
+        TensorSpec((b * s, M), FLOAT)]
 
 
 @pytest.mark.parametrize("phase", SHAPES)
@@ -66,11 +77,17 @@ def test_symbolic_dimensions_pass_through():
      "hidden sizes"),
     ("MoeRoute", route_inputs(4), {**ROUTE, "n_group": 5}, "does not divide"),
     ("MoeRoute", [TensorSpec((4, M), INT64), *route_inputs(4)[1:]], ROUTE, "must be FLOAT"),
-    ("MoeExperts", experts_inputs(4)[:-1] + [TensorSpec((E, 3, 3), FLOAT)], {"block": 128}, "one scale per"),
+    ("MoeExpertsUp", experts_up_inputs(4)[:-1] + [TensorSpec((E, 3, 3), FLOAT)], {"block": 128}, "one scale per"),
+    ("MoeExpertsUp", experts_up_inputs(4)[:4] + [TensorSpec((E, F, M + 1), FP8), TensorSpec(_blocks(F, M + 1), FLOAT)],
+     {"block": 128}, "dim 2 of gate_bits and up_bits"),
+    ("MoeExpertsDown", [TensorSpec((4, K, F + 1), FLOAT)] + experts_down_inputs(4)[1:], {"block": 128},
+     "expert widths of hidden and down_bits"),
+    ("MoeExpertsDown", experts_down_inputs(4)[:2] + [TensorSpec((4, K + 1), FLOAT)] + experts_down_inputs(4)[3:],
+     {"block": 128}, "k of expert_ids and route_weights"),
     ("MlaAttention", attention_inputs(1, 1, 5)[:5] + [TensorSpec((1, 1, 6), BOOL)], ATTN, "key positions"),
     ("MlaAttention", attention_inputs(1, 1, 5), {**ATTN, "v_dim": 64}, "kv_b_weight has"),
     ("MlaAttention", attention_inputs(1, 1, 5)[:3], ATTN, "expected 6 inputs"),
-    ("MoeExperts", experts_inputs(4), {}, "missing attribute"),
+    ("MoeExpertsDown", experts_down_inputs(4), {}, "missing attribute"),
 ])
 def test_inputs_that_do_not_fit_are_refused(op, inputs, attributes, message):
     with pytest.raises(ValueError, match=message):
@@ -78,13 +95,19 @@ def test_inputs_that_do_not_fit_are_refused(op, inputs, attributes, message):
 
 
 def test_the_plugins_are_the_ops_of_the_onnx_domain():
-    """Inputs, outputs and attributes of each plugin are those of the op's ONNX function (plugins/)."""
+    """Every custom op has plugins; inputs, outputs and attributes of each plugin are those of its ONNX
+    function (plugins/); MoeExperts' two halves take its inputs between them."""
     pytest.importorskip("torch")
-    from k2deploy.plugins.experts import EXPERTS
+    from k2deploy.plugins.experts import EXPERTS, EXPERTS_DOWN, EXPERTS_UP
     from k2deploy.plugins.mla import ATTENTION
     from k2deploy.plugins.routing import ROUTE as ROUTE_SPEC
+    from k2deploy.plugins.tensorrt import DOMAIN_OP_PLUGINS
 
-    for spec in (ROUTE_SPEC, EXPERTS, ATTENTION):
+    assert set(DOMAIN_OP_PLUGINS) == {ROUTE_SPEC.name, EXPERTS.name, ATTENTION.name}
+    assert {p for plugins in DOMAIN_OP_PLUGINS.values() for p in plugins} == set(PLUGINS)
+    assert set(EXPERTS_UP.inputs + EXPERTS_DOWN.inputs) - {"hidden"} == set(EXPERTS.inputs)
+    assert EXPERTS_DOWN.outputs == EXPERTS.outputs and EXPERTS_UP.outputs == ["hidden"]
+    for spec in (ROUTE_SPEC, EXPERTS_UP, EXPERTS_DOWN, ATTENTION):
         plugin = PLUGINS[spec.name]
         assert list(plugin.inputs) == spec.inputs and list(plugin.outputs) == spec.outputs
         assert sorted(plugin.attributes) == sorted(spec.attributes)
@@ -103,4 +126,4 @@ def test_registration_needs_tensorrt():
     from k2deploy.plugins.tensorrt.registration import plugin_modes, register
 
     register(aot=False)
-    assert plugin_modes(True) == {"MoeRoute": "aot", "MoeExperts": "jit", "MlaAttention": "aot"}
+    assert set(plugin_modes(True).values()) == {"aot"} and set(plugin_modes(False).values()) == {"jit"}

@@ -1,6 +1,7 @@
 """What each TensorRT plugin is, in plain Python: no TensorRT, no torch needed to call it.
 
-One `PluginSpec` per custom op of the `k2deploy` ONNX domain: the plugin's name, namespace and
+One `PluginSpec` per plugin (`DOMAIN_OP_PLUGINS`: which plugins each custom op of the `k2deploy`
+ONNX domain becomes; MoeExperts becomes two). The plugin's name, namespace and
 version (what the ONNX parser looks a node up by), its inputs and outputs in node order, its
 attributes with their Python types, whether an ahead-of-time (AOT) kernel exists, and its
 shape/dtype function.
@@ -103,35 +104,48 @@ def moe_route_outputs(x: TensorSpec, router_weight: TensorSpec, correction_bias:
 
 # -- MoeExperts -----------------------------------------------------------------------------
 
-def moe_experts_outputs(x: TensorSpec, expert_ids: TensorSpec, route_weights: TensorSpec, gate_bits: TensorSpec,
-                        gate_scale: TensorSpec, up_bits: TensorSpec, up_scale: TensorSpec, down_bits: TensorSpec,
-                        down_scale: TensorSpec, *, block: int) -> list[TensorSpec]:
-    """x [n, m], expert_ids / route_weights [n, k], gate/up bits [e, f, m], down bits [e, m, f] (FP8 bits),
-    scales [e, ceil(rows/block), ceil(cols/block)] FLOAT -> y [n, m] FLOAT."""
-    op = "MoeExperts"
+def _check_expert_weights(op: str, name: str, bits: TensorSpec, scale: TensorSpec, block: int) -> None:
+    """bits [e, rows, cols] FP8 (or its UINT8 bits), scale [e, ceil(rows/block), ceil(cols/block)] FLOAT."""
+    _check(block >= 1, op, f"block must be positive, got {block}")
+    _check_tensor(op, f"{name}_bits", bits, 3, EXPERT_BITS_DTYPES)
+    _check_tensor(op, f"{name}_scale", scale, 3, (FLOAT,))
+    _check_same(op, f"expert counts of {name}_bits and {name}_scale", bits.shape[0], scale.shape[0])
+    for axis in (1, 2):
+        if _is_int(bits.shape[axis]) and _is_int(scale.shape[axis]):
+            _check(scale.shape[axis] == -(-bits.shape[axis] // block), op,
+                   f"{name}_scale {scale.shape} does not hold one scale per {block}-block of {name}_bits {bits.shape}")
+
+
+def moe_experts_up_outputs(x: TensorSpec, expert_ids: TensorSpec, gate_bits: TensorSpec, gate_scale: TensorSpec,
+                           up_bits: TensorSpec, up_scale: TensorSpec, *, block: int) -> list[TensorSpec]:
+    """x [n, m], expert_ids [n, k], gate/up bits [e, f, m] (FP8), scales [e, ceil(f/block), ceil(m/block)] FLOAT
+    -> hidden [n, k, f] FLOAT: the SwiGLU of each token's chosen experts."""
+    op = "MoeExpertsUp"
     _check_tensor(op, "x", x, 2, (FLOAT,))
     _check_tensor(op, "expert_ids", expert_ids, 2, (INT64,))
-    _check_tensor(op, "route_weights", route_weights, 2, (FLOAT,))
-    for name, bits, scale in (("gate", gate_bits, gate_scale), ("up", up_bits, up_scale),
-                              ("down", down_bits, down_scale)):
-        _check_tensor(op, f"{name}_bits", bits, 3, EXPERT_BITS_DTYPES)
-        _check_tensor(op, f"{name}_scale", scale, 3, (FLOAT,))
-        _check_same(op, f"expert counts of {name}_bits and {name}_scale", bits.shape[0], scale.shape[0])
-        for axis in (1, 2):
-            if _is_int(bits.shape[axis]) and _is_int(scale.shape[axis]):
-                _check(scale.shape[axis] == -(-bits.shape[axis] // block), op,
-                       f"{name}_scale {scale.shape} does not hold one scale per {block}-block of "
-                       f"{name}_bits {bits.shape}")
-    m, f = x.shape[1], gate_bits.shape[1]
-    _check_same(op, "hidden sizes of x and gate_bits", m, gate_bits.shape[2])
+    for name, bits, scale in (("gate", gate_bits, gate_scale), ("up", up_bits, up_scale)):
+        _check_expert_weights(op, name, bits, scale, block)
     for axis in range(3):
         _check_same(op, f"dim {axis} of gate_bits and up_bits", gate_bits.shape[axis], up_bits.shape[axis])
-    _check_same(op, "hidden sizes of x and down_bits", m, down_bits.shape[1])
-    _check_same(op, "expert widths of gate_bits and down_bits", f, down_bits.shape[2])
+    _check_same(op, "hidden sizes of x and gate_bits", x.shape[1], gate_bits.shape[2])
     _check_same(op, "token counts of x and expert_ids", x.shape[0], expert_ids.shape[0])
-    _check_same(op, "k of expert_ids and route_weights", expert_ids.shape[1], route_weights.shape[1])
-    _check(block >= 1, op, f"block must be positive, got {block}")
-    return [TensorSpec((x.shape[0], m), FLOAT)]
+    return [TensorSpec((x.shape[0], expert_ids.shape[1], gate_bits.shape[1]), FLOAT)]
+
+
+def moe_experts_down_outputs(hidden: TensorSpec, expert_ids: TensorSpec, route_weights: TensorSpec,
+                             down_bits: TensorSpec, down_scale: TensorSpec, *, block: int) -> list[TensorSpec]:
+    """hidden [n, k, f], expert_ids / route_weights [n, k], down bits [e, m, f] (FP8), scale [e, ceil(m/block),
+    ceil(f/block)] FLOAT -> y [n, m] FLOAT: the chosen experts' down projections, weighted and summed."""
+    op = "MoeExpertsDown"
+    _check_tensor(op, "hidden", hidden, 3, (FLOAT,))
+    _check_tensor(op, "expert_ids", expert_ids, 2, (INT64,))
+    _check_tensor(op, "route_weights", route_weights, 2, (FLOAT,))
+    _check_expert_weights(op, "down", down_bits, down_scale, block)
+    for axis, what in ((0, "token counts"), (1, "k")):
+        _check_same(op, f"{what} of hidden and expert_ids", hidden.shape[axis], expert_ids.shape[axis])
+        _check_same(op, f"{what} of expert_ids and route_weights", expert_ids.shape[axis], route_weights.shape[axis])
+    _check_same(op, "expert widths of hidden and down_bits", hidden.shape[2], down_bits.shape[2])
+    return [TensorSpec((hidden.shape[0], down_bits.shape[1]), FLOAT)]
 
 
 # -- MlaAttention ---------------------------------------------------------------------------
@@ -173,12 +187,14 @@ PLUGINS: dict[str, PluginSpec] = {
                    moe_route_outputs, aot=True,
                    implementation="one Triton kernel per token (scores, sigmoid, bias, group limit, top-k, "
                                   "normalise, scale); AOT PTX"),
-        PluginSpec("MoeExperts", ("x", "expert_ids", "route_weights", "gate_bits", "gate_scale", "up_bits",
-                                  "up_scale", "down_bits", "down_scale"), ("y",), {"block": int},
-                   moe_experts_outputs, aot=False,
-                   implementation="torch (the eager op on the GPU: only the chosen experts are dequantised); "
-                                  "no AOT kernel: an AOT plugin is one kernel launch, and the SwiGLU's down "
-                                  "projection needs the whole gate/up result or a zeroed output first"),
+        PluginSpec("MoeExpertsUp", ("x", "expert_ids", "gate_bits", "gate_scale", "up_bits", "up_scale"),
+                   ("hidden",), {"block": int}, moe_experts_up_outputs, aot=True,
+                   implementation="one Triton kernel per (token-expert pair, block of expert rows): FP8 gate "
+                                  "and up rows of the chosen expert times x, SwiGLU; AOT PTX"),
+        PluginSpec("MoeExpertsDown", ("hidden", "expert_ids", "route_weights", "down_bits", "down_scale"), ("y",),
+                   {"block": int}, moe_experts_down_outputs, aot=True,
+                   implementation="one Triton kernel per (token, block of hidden rows): FP8 down rows of each "
+                                  "chosen expert times its SwiGLU output, weighted and summed; AOT PTX"),
         PluginSpec("MlaAttention", ("q_nope", "q_pe", "latent", "rope", "kv_b_weight", "mask"), ("out",),
                    {"nope_dim": int, "v_dim": int, "softmax_scale": float},
                    mla_attention_outputs, aot=True,
@@ -186,6 +202,12 @@ PLUGINS: dict[str, PluginSpec] = {
                                   "the latent with an online softmax; AOT PTX"),
     )
 }
+
+
+# The plugins each custom op of the ONNX domain runs as in a TensorRT copy: MoeExperts is two, because
+# an AOT plugin is one kernel launch and the down projection needs the whole SwiGLU output of its expert.
+DOMAIN_OP_PLUGINS: dict[str, tuple[str, ...]] = {
+    "MoeRoute": ("MoeRoute",), "MoeExperts": ("MoeExpertsUp", "MoeExpertsDown"), "MlaAttention": ("MlaAttention",)}
 
 
 def output_specs(op: str, inputs: Sequence[TensorSpec], attributes: dict[str, Any]) -> list[TensorSpec]:

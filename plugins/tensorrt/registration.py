@@ -3,11 +3,10 @@
 Import only where TensorRT is installed (`register()` imports `tensorrt.plugin`). Per plugin:
 - `@trtp.register`: the descriptor's shape/dtype function over TensorRT's symbolic shapes;
 - `@trtp.autotune`: the one type combination each plugin supports;
-- `@trtp.impl` (just in time, Python at run time): the Triton kernels for MoeRoute and
-  MlaAttention, the eager torch op for MoeExperts;
-- `@trtp.aot_impl` (ahead of time) for MoeRoute and MlaAttention: the Triton kernel compiled to
-  PTX and baked into the engine, so the engine runs without Python plugin code loaded. MoeExperts
-  has none (see its descriptor): engines of MoE layers need `register()` before deserialising.
+- `@trtp.impl` (just in time, Python at run time): the Triton kernels, launched through torch;
+- `@trtp.aot_impl` (ahead of time): the same Triton kernel compiled to PTX and baked into the
+  engine, so the engine runs without Python plugin code loaded. Every plugin has one; MoeExperts
+  runs as two plugins (MoeExpertsUp, MoeExpertsDown) because an AOT plugin is one kernel launch.
 """
 
 from __future__ import annotations
@@ -56,6 +55,23 @@ def _int(expr) -> int:
     return int(expr.constant_value)
 
 
+def _aot(launch):
+    """What an aot_impl returns for an AotLaunch: kernel name, PTX, launch parameters, extra scalars."""
+    import tensorrt.plugin as trtp
+
+    from .aot import compile_launch, driver_ptx_version
+
+    kernel = compile_launch(launch, max_ptx_version=driver_ptx_version())
+    params = trtp.KernelLaunchParams()
+    params.grid_x = launch.grid[0]
+    if len(launch.grid) > 1:
+        params.grid_y = launch.grid[1]
+    params.block_x = kernel.warps * 32
+    params.shared_mem = kernel.shared
+    extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in launch.scalars])
+    return kernel.name.encode(), kernel.ptx.encode(), params, extra
+
+
 def register(aot: bool = True) -> None:
     """Registers the plugins with TensorRT's plugin registry (once per process)."""
     global _registered
@@ -63,7 +79,8 @@ def register(aot: bool = True) -> None:
         return
     import tensorrt.plugin as trtp
 
-    route, experts, attention = (f"{PLUGINS[n].plugin_id}" for n in ("MoeRoute", "MoeExperts", "MlaAttention"))
+    route, experts_up, experts_down, attention = (
+        PLUGINS[n].plugin_id for n in ("MoeRoute", "MoeExpertsUp", "MoeExpertsDown", "MlaAttention"))
 
     # -- MoeRoute ---------------------------------------------------------------------------
     @trtp.register(route)
@@ -95,46 +112,74 @@ def register(aot: bool = True) -> None:
         def _route_aot(x: trtp.TensorDesc, router_weight: trtp.TensorDesc, correction_bias: trtp.TensorDesc,
                        top_k: int, n_group: int, topk_group: int, normalise: int, scaling: float,
                        outputs: Tuple[trtp.TensorDesc], tactic: int):
-            from ..triton_kernels import compile_ptx, moe_route_kernel, route_constants
+            from .aot import route_launch
 
-            experts_n, hidden = _int(router_weight.shape_expr[0]), _int(router_weight.shape_expr[1])
-            name, ptx, warps, shared = compile_ptx(
-                moe_route_kernel,
-                {"x_ptr": "*fp32", "w_ptr": "*fp32", "bias_ptr": "*fp32", "n_tokens": "i32", "hidden": "i32",
-                 "experts": "i32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
-                route_constants(experts_n, hidden, top_k, n_group, topk_group, bool(normalise), scaling))
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x = x.shape_expr[0]
-            launch.block_x = warps * 32
-            launch.shared_mem = shared
-            extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in (x.shape_expr[0], hidden, experts_n)])
-            return name.encode(), ptx.encode(), launch, extra
+            return _aot(route_launch(x.shape_expr[0], _int(router_weight.shape_expr[0]),
+                                     _int(router_weight.shape_expr[1]), top_k, n_group, topk_group, normalise,
+                                     scaling))
 
-    # -- MoeExperts -------------------------------------------------------------------------
-    @trtp.register(experts)
-    def _experts_desc(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, route_weights: trtp.TensorDesc,
-                      gate_bits: trtp.TensorDesc, gate_scale: trtp.TensorDesc, up_bits: trtp.TensorDesc,
-                      up_scale: trtp.TensorDesc, down_bits: trtp.TensorDesc, down_scale: trtp.TensorDesc,
-                      block: int) -> trtp.TensorDesc:
-        return _descs("MoeExperts", (x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale,
-                                     down_bits, down_scale), dict(block=block))[0]
+    # -- MoeExpertsUp / MoeExpertsDown (MoeExperts in a TensorRT copy) -------------------------
+    @trtp.register(experts_up)
+    def _up_desc(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, gate_bits: trtp.TensorDesc,
+                 gate_scale: trtp.TensorDesc, up_bits: trtp.TensorDesc, up_scale: trtp.TensorDesc,
+                 block: int) -> trtp.TensorDesc:
+        return _descs("MoeExpertsUp", (x, expert_ids, gate_bits, gate_scale, up_bits, up_scale), dict(block=block))[0]
 
-    @trtp.autotune(experts)
-    def _experts_autotune(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits,
-                          down_scale, outputs):
-        return [trtp.AutoTuneCombination("FP32, INT64, FP32, FP8, FP32, FP8, FP32, FP8, FP32, FP32")]
+    @trtp.autotune(experts_up)
+    def _up_autotune(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, outputs):
+        return [trtp.AutoTuneCombination("FP32, INT64, FP8, FP32, FP8, FP32, FP32")]
 
-    @trtp.impl(experts)
-    def _experts_impl(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale,
-                      block: int, outputs, stream: int) -> None:
+    @trtp.impl(experts_up)
+    def _up_impl(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block: int, outputs, stream: int) -> None:
         import torch
 
-        from ..experts import experts_eager
+        from ..triton_kernels import moe_experts_up
 
         with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
-            y = experts_eager(*(_torch(t) for t in (x, expert_ids, route_weights, gate_bits, gate_scale, up_bits,
-                                                    up_scale, down_bits, down_scale)), block)
+            hidden = moe_experts_up(*(_torch(t) for t in (x, expert_ids, gate_bits, gate_scale, up_bits, up_scale)),
+                                    block)
+            _torch(outputs[0]).copy_(hidden)
+
+    @trtp.register(experts_down)
+    def _down_desc(hidden: trtp.TensorDesc, expert_ids: trtp.TensorDesc, route_weights: trtp.TensorDesc,
+                   down_bits: trtp.TensorDesc, down_scale: trtp.TensorDesc, block: int) -> trtp.TensorDesc:
+        return _descs("MoeExpertsDown", (hidden, expert_ids, route_weights, down_bits, down_scale),
+                      dict(block=block))[0]
+
+    @trtp.autotune(experts_down)
+    def _down_autotune(hidden, expert_ids, route_weights, down_bits, down_scale, outputs):
+        return [trtp.AutoTuneCombination("FP32, INT64, FP32, FP8, FP32, FP32")]
+
+    @trtp.impl(experts_down)
+    def _down_impl(hidden, expert_ids, route_weights, down_bits, down_scale, block: int, outputs,
+                   stream: int) -> None:
+        import torch
+
+        from ..triton_kernels import moe_experts_down
+
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+            y = moe_experts_down(*(_torch(t) for t in (hidden, expert_ids, route_weights, down_bits, down_scale)),
+                                 block)
             _torch(outputs[0]).copy_(y)
+
+    if aot:
+        @trtp.aot_impl(experts_up)
+        def _up_aot(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, gate_bits: trtp.TensorDesc,
+                    gate_scale: trtp.TensorDesc, up_bits: trtp.TensorDesc, up_scale: trtp.TensorDesc, block: int,
+                    outputs: Tuple[trtp.TensorDesc], tactic: int):
+            from .aot import experts_up_launch
+
+            return _aot(experts_up_launch(x.shape_expr[0], *(_int(e) for e in (
+                expert_ids.shape_expr[1], gate_bits.shape_expr[1], gate_bits.shape_expr[2])), block))
+
+        @trtp.aot_impl(experts_down)
+        def _down_aot(hidden: trtp.TensorDesc, expert_ids: trtp.TensorDesc, route_weights: trtp.TensorDesc,
+                      down_bits: trtp.TensorDesc, down_scale: trtp.TensorDesc, block: int,
+                      outputs: Tuple[trtp.TensorDesc], tactic: int):
+            from .aot import experts_down_launch
+
+            return _aot(experts_down_launch(hidden.shape_expr[0], *(_int(e) for e in (
+                expert_ids.shape_expr[1], down_bits.shape_expr[1], down_bits.shape_expr[2])), block))
 
     # -- MlaAttention -----------------------------------------------------------------------
     @trtp.register(attention)
@@ -166,25 +211,11 @@ def register(aot: bool = True) -> None:
                            rope: trtp.TensorDesc, kv_b_weight: trtp.TensorDesc, mask: trtp.TensorDesc,
                            nope_dim: int, v_dim: int, softmax_scale: float, outputs: Tuple[trtp.TensorDesc],
                            tactic: int):
-            from ..triton_kernels import compile_ptx, mla_attention_kernel, mla_constants
+            from .aot import attention_launch
 
-            c, r, heads = _int(latent.shape_expr[2]), _int(rope.shape_expr[2]), _int(q_nope.shape_expr[2])
-            constants = mla_constants(nope_dim, v_dim, c, r, softmax_scale)
-            name, ptx, warps, shared = compile_ptx(
-                mla_attention_kernel,
-                {"q_nope_ptr": "*fp32", "q_pe_ptr": "*fp32", "latent_ptr": "*fp32", "rope_ptr": "*fp32",
-                 "w_ptr": "*fp32", "mask_ptr": "*i1", "seq": "i32", "keys": "i32", "heads": "i32",
-                 "stride_lb": "i32", "stride_lt": "i32", "stride_rb": "i32", "stride_rt": "i32", "out_ptr": "*fp32"},
-                constants)
-            seq, keys = q_nope.shape_expr[1], latent.shape_expr[1]
-            launch = trtp.KernelLaunchParams()
-            launch.grid_x = q_nope.shape_expr[0] * seq
-            launch.grid_y = -(-heads // constants["BLOCK_H"])
-            launch.block_x = warps * 32
-            launch.shared_mem = shared
-            scalars = (seq, keys, heads, keys * c, c, keys * r, r)  # strides of latent [b, t, c] and rope [b, t, r]
-            extra = trtp.SymIntExprs.from_tuple([trtp.SymInt32(e) for e in scalars])
-            return name.encode(), ptx.encode(), launch, extra
+            return _aot(attention_launch(q_nope.shape_expr[0], q_nope.shape_expr[1], latent.shape_expr[1],
+                                         *(_int(e) for e in (q_nope.shape_expr[2], latent.shape_expr[2],
+                                                             rope.shape_expr[2])), nope_dim, v_dim, softmax_scale))
 
     _registered = True
 

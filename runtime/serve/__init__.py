@@ -1,8 +1,8 @@
 """`k2deploy serve`: an OpenAI-compatible HTTP server over an exported artifact, with continuous batching.
 
-No torch: ONNX Runtime runs the artifact, Starlette and uvicorn carry the HTTP. The modules:
-protocol.py (request checking, OpenAI response shapes), requests.py (one request's state),
-scheduler.py (who runs in the next step), cache_rows.py (the cache rows of one forward),
+No torch: ONNX Runtime (or the TensorRT engines, `--backend tensorrt`) runs the artifact,
+Starlette and uvicorn carry the HTTP. The modules: protocol.py (request checking, OpenAI
+response shapes), requests.py (one request's state), scheduler.py (who runs in the next step),
 engine.py (the thread that runs the steps), metrics.py (Prometheus), app.py (the routes),
 cli.py (the `serve` command).
 """

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ...command import run_command
 from ...errors import K2Error
+from ..tensorrt.cli import add_backend_argument
 
 DEFAULT_MAX_CONTEXT = 4096
 DESCRIPTION = ("Serve an exported artifact over OpenAI's API (GET /v1/models, POST /v1/completions and "
@@ -33,6 +34,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"is allocated once for max-batch x max-context tokens (default: {DEFAULT_MAX_CONTEXT})")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
     parser.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
+    add_backend_argument(parser)
     parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
                         help="ONNX Runtime execution provider (default: cpu)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
@@ -63,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
     from ...manifest import load_manifest
     from ...tokenizer import KimiTokenizer
-    from ..ort_backend import OrtModel
+    from ..tensorrt import load_backend
     from .engine import Engine
     from .metrics import ServerMetrics
 
@@ -72,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if not (artifact / "tokenizer").is_dir():
         raise K2Error(f"{artifact} carries no tokenizer/ folder; re-export it from a checkpoint with its tokenizer")
     tokenizer = KimiTokenizer.from_dir(artifact / "tokenizer")
-    model = OrtModel(manifest, provider=args.provider, threads=args.threads)
+    model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads)
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
     model_name = args.model_name or artifact.resolve().name
@@ -81,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     host, port = listener.getsockname()[:2]
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
-          f"{args.provider})", flush=True)
+          f"{args.provider if args.backend == 'onnxruntime' else args.backend})", flush=True)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
     server.run(sockets=[listener])
 

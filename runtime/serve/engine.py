@@ -10,7 +10,8 @@ idle, the first step waits BURST_WINDOW_S, so that requests sent together prefil
 Prefill and decode are separate forwards so that decode rows are never padded to a prompt's
 width. Both batch: on CPU the MoE layers' cost is mostly dequantising the experts a forward
 touches, which a batch shares (on `small`, 2 cores: one 64-token prompt 3.9 s, sixteen 8.5 s).
-Each forward runs only its requests' cache rows, not the whole slot table (see cache_rows.py).
+Each forward runs only its requests' cache rows, not the whole slot table (`cache.rows`: on the host
+runtime/cache_rows.py, on the GPU runtime/tensorrt/device_cache.py).
 
 Batching moves a request's logits by float32 rounding only (about 1e-5 on `tiny`): ONNX Runtime
 picks kernels by shape (one row or several; the MoE's chosen-experts or every-expert branch),
@@ -26,9 +27,7 @@ import time
 
 import numpy as np
 
-from ..ort_backend import OrtModel
 from ..sampling import sample
-from .cache_rows import CacheRows
 from .metrics import ServerMetrics
 from .requests import GenerationRequest, Update
 from .scheduler import Scheduler
@@ -41,7 +40,9 @@ log = logging.getLogger("k2deploy.serve")
 
 
 class Engine:
-    def __init__(self, model: OrtModel, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics):
+    """model: an OrtModel or TrtModel (`runtime.tensorrt.load_backend`); its cache holds max_batch slots."""
+
+    def __init__(self, model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics):
         self.model = model
         self.context = min(model.config.max_position_embeddings, max_context)  # positions per slot
         self.cache = model.new_cache(max_batch, self.context)
@@ -131,7 +132,7 @@ class Engine:
                  valid: np.ndarray, last: np.ndarray) -> np.ndarray | None:
         """One forward over the requests' cache rows -> logits [rows, vocab] at index `last` of each row;
         None when it failed (each request then got an error and left)."""
-        rows = CacheRows(self.cache, [r.slot for r in requests])
+        rows = self.cache.rows([r.slot for r in requests])
         try:
             hidden = self.model.forward(token_ids, positions, valid, rows)
             rows.commit()

@@ -2,7 +2,8 @@
 
 Nothing here imports TensorRT at import time. `environment` finds TensorRT and the GPU (and says
 in one line what to install when TensorRT is missing), `record` is the engine record checked on
-load, `builder` builds the engines, `backend` runs them, `factory.load_backend` picks ONNX
+load, `builder` builds the engines, `backend` runs them (over `cuda`, the CUDA runtime calls, and
+`device_cache`, the latent cache in device memory), `factory.load_backend` picks ONNX
 Runtime or TensorRT behind one interface, `cli` holds the `build-engines` command.
 """
 

@@ -1,4 +1,4 @@
-"""Some rows (slots) of the server's LatentCache, in the order of one forward's batch.
+"""Some rows (slots) of a LatentCache, in the order of one forward's batch: `LatentCache.rows(slots)`.
 
 `OrtModel.forward` runs every row of the cache it is given: a layer graph reads the first t
 positions of every row. Running the whole slot table each step would put the idle slots
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime import OrtValue
 
-from ..kv_cache import LatentCache
+from .kv_cache import LatentCache
 
 
 class CacheRows:
