@@ -7,11 +7,13 @@ Import only where TensorRT is installed (`register()` imports `tensorrt.plugin`)
 - `@trtp.aot_impl` (ahead of time): the same Triton kernel compiled to PTX and baked into the
   engine, so the engine runs without Python plugin code loaded. Every plugin has one; MoeExperts
   runs as two plugins (MoeExpertsUp, MoeExpertsDown) because an AOT plugin is one kernel launch.
+
+TensorRT reads these functions' signatures: the annotations must be the classes themselves
+(no `from __future__ import annotations` here), an aot_impl needs its return annotation, and
+each function's parameters follow the registered inputs and attributes in order.
 """
 
-from __future__ import annotations
-
-from typing import Tuple
+from typing import Tuple, Union
 
 from .descriptors import BOOL, FLOAT, FP8, INT64, PLUGINS, UINT8, TensorSpec, output_specs
 
@@ -25,14 +27,16 @@ def _trt_dtypes():
             "FLOAT16": trt.float16, "BFLOAT16": trt.bfloat16, "INT32": trt.int32}
 
 
+def _constant(expr) -> bool:
+    """Whether a ShapeExpr is a build-time constant (a "fake" one, outside shape calculation, is not)."""
+    return not expr.is_fake and expr.is_constant
+
+
 def _spec(desc) -> TensorSpec:
     """A TensorDesc as a TensorSpec: constant dims as ints, the others as their shape expressions."""
     names = {v: k for k, v in _trt_dtypes().items()}
-    dims = []
-    for i in range(desc.ndim):
-        expr = desc.shape_expr[i]
-        dims.append(expr.constant_value if expr.is_constant else expr)
-    return TensorSpec(tuple(dims), names.get(desc.dtype, str(desc.dtype)))
+    dims = tuple(e.constant_value() if _constant(e) else e for e in (desc.shape_expr[i] for i in range(desc.ndim)))
+    return TensorSpec(dims, names.get(desc.dtype, str(desc.dtype)))
 
 
 def _descs(op: str, inputs, attributes: dict):
@@ -50,9 +54,9 @@ def _torch(tensor):
 
 
 def _int(expr) -> int:
-    if not expr.is_constant:
+    if not _constant(expr):
         raise ValueError("the AOT kernel needs this dimension fixed at build time")
-    return int(expr.constant_value)
+    return int(expr.constant_value())
 
 
 def _aot(launch):
@@ -79,6 +83,8 @@ def register(aot: bool = True) -> None:
         return
     import tensorrt.plugin as trtp
 
+    # what an aot_impl returns: kernel name, PTX, launch parameters, the extra int32 kernel arguments
+    AotResult = Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymIntExprs]
     route, experts_up, experts_down, attention = (
         PLUGINS[n].plugin_id for n in ("MoeRoute", "MoeExpertsUp", "MoeExpertsDown", "MlaAttention"))
 
@@ -92,7 +98,7 @@ def register(aot: bool = True) -> None:
 
     @trtp.autotune(route)
     def _route_autotune(x, router_weight, correction_bias, outputs):
-        return [trtp.AutoTuneCombination("FP32, FP32, FP32, FP32, INT64")]
+        return [trtp.AutoTuneCombination("FP32,FP32,FP32,FP32,INT64")]
 
     @trtp.impl(route)
     def _route_impl(x, router_weight, correction_bias, top_k: int, n_group: int, topk_group: int, normalise: int,
@@ -111,7 +117,7 @@ def register(aot: bool = True) -> None:
         @trtp.aot_impl(route)
         def _route_aot(x: trtp.TensorDesc, router_weight: trtp.TensorDesc, correction_bias: trtp.TensorDesc,
                        top_k: int, n_group: int, topk_group: int, normalise: int, scaling: float,
-                       outputs: Tuple[trtp.TensorDesc], tactic: int):
+                       outputs: Tuple[trtp.TensorDesc], tactic: int) -> AotResult:
             from .aot import route_launch
 
             return _aot(route_launch(x.shape_expr[0], _int(router_weight.shape_expr[0]),
@@ -127,7 +133,7 @@ def register(aot: bool = True) -> None:
 
     @trtp.autotune(experts_up)
     def _up_autotune(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, outputs):
-        return [trtp.AutoTuneCombination("FP32, INT64, FP8, FP32, FP8, FP32, FP32")]
+        return [trtp.AutoTuneCombination("FP32,INT64,FP8,FP32,FP8,FP32,FP32")]
 
     @trtp.impl(experts_up)
     def _up_impl(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block: int, outputs, stream: int) -> None:
@@ -148,7 +154,7 @@ def register(aot: bool = True) -> None:
 
     @trtp.autotune(experts_down)
     def _down_autotune(hidden, expert_ids, route_weights, down_bits, down_scale, outputs):
-        return [trtp.AutoTuneCombination("FP32, INT64, FP32, FP8, FP32, FP32")]
+        return [trtp.AutoTuneCombination("FP32,INT64,FP32,FP8,FP32,FP32")]
 
     @trtp.impl(experts_down)
     def _down_impl(hidden, expert_ids, route_weights, down_bits, down_scale, block: int, outputs,
@@ -166,7 +172,7 @@ def register(aot: bool = True) -> None:
         @trtp.aot_impl(experts_up)
         def _up_aot(x: trtp.TensorDesc, expert_ids: trtp.TensorDesc, gate_bits: trtp.TensorDesc,
                     gate_scale: trtp.TensorDesc, up_bits: trtp.TensorDesc, up_scale: trtp.TensorDesc, block: int,
-                    outputs: Tuple[trtp.TensorDesc], tactic: int):
+                    outputs: Tuple[trtp.TensorDesc], tactic: int) -> AotResult:
             from .aot import experts_up_launch
 
             return _aot(experts_up_launch(x.shape_expr[0], *(_int(e) for e in (
@@ -175,7 +181,7 @@ def register(aot: bool = True) -> None:
         @trtp.aot_impl(experts_down)
         def _down_aot(hidden: trtp.TensorDesc, expert_ids: trtp.TensorDesc, route_weights: trtp.TensorDesc,
                       down_bits: trtp.TensorDesc, down_scale: trtp.TensorDesc, block: int,
-                      outputs: Tuple[trtp.TensorDesc], tactic: int):
+                      outputs: Tuple[trtp.TensorDesc], tactic: int) -> AotResult:
             from .aot import experts_down_launch
 
             return _aot(experts_down_launch(hidden.shape_expr[0], *(_int(e) for e in (
@@ -191,7 +197,7 @@ def register(aot: bool = True) -> None:
 
     @trtp.autotune(attention)
     def _attention_autotune(q_nope, q_pe, latent, rope, kv_b_weight, mask, outputs):
-        return [trtp.AutoTuneCombination("FP32, FP32, FP32, FP32, FP32, BOOL, FP32")]
+        return [trtp.AutoTuneCombination("FP32,FP32,FP32,FP32,FP32,BOOL,FP32")]
 
     @trtp.impl(attention)
     def _attention_impl(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, v_dim: int,
@@ -210,7 +216,7 @@ def register(aot: bool = True) -> None:
         def _attention_aot(q_nope: trtp.TensorDesc, q_pe: trtp.TensorDesc, latent: trtp.TensorDesc,
                            rope: trtp.TensorDesc, kv_b_weight: trtp.TensorDesc, mask: trtp.TensorDesc,
                            nope_dim: int, v_dim: int, softmax_scale: float, outputs: Tuple[trtp.TensorDesc],
-                           tactic: int):
+                           tactic: int) -> AotResult:
             from .aot import attention_launch
 
             return _aot(attention_launch(q_nope.shape_expr[0], q_nope.shape_expr[1], latent.shape_expr[1],
