@@ -13,8 +13,9 @@ from ..command import run_command
 from ..errors import K2Error
 from ..runtime.tensorrt.cli import add_backend_argument
 
-USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8] [--provider cpu|cuda|tensorrt]
-                      [--threads N] [--baseline eager|hf|none] [--repeats 3] [--warmup 1] [--out DIR] [--json]
+USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8] [--backend onnxruntime|tensorrt]
+                      [--provider cpu|cuda|tensorrt] [--threads N] [--baseline eager|hf|none] [--repeats 3]
+                      [--warmup 1] [--out DIR] [--json]
        k2deploy bench compare DIR [DIR ...] [--out DIR] [--markdown] [--json]"""
 
 DESCRIPTION = """\

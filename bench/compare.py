@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import K2Error
 from ..json_files import read_json
-from .report import NO_MATPLOTLIB, RESULT_FILE, _fmt, _plain_ticks, _pyplot, _table, have_matplotlib, run_label
+from .report import NO_MATPLOTLIB, RESULT_FILE, _fmt, _plain_ticks, _pyplot, _table, have_matplotlib, run_label, runs_on
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import show
 
@@ -51,7 +51,7 @@ def load_results(paths: list[str | Path]) -> list[tuple[Path, dict]]:
                 seen.add(key)
                 results.append((file, load_result(file)))
     return sorted(results, key=lambda item: (item[1]["device"]["kind"], item[1]["device"]["label"],
-                                             item[1]["provider"], item[1]["threads"] or 0, str(item[0])))
+                                             runs_on(item[1]), item[1]["threads"] or 0, str(item[0])))
 
 
 def labels(results: list[tuple[Path, dict]]) -> list[str]:
@@ -67,7 +67,7 @@ def labels(results: list[tuple[Path, dict]]) -> list[str]:
 
 
 def compare_rows(results: list[tuple[Path, dict]]) -> tuple[list[str], list[list[str]]]:
-    header = ["device / provider / threads", "artifact", "batch x prompt", "TTFT ms", "TPOT ms", "tok/s batch",
+    header = ["device / runs on / threads", "artifact", "batch x prompt", "TTFT ms", "TPOT ms", "tok/s batch",
               "prefill tok/s", "GB/s", "TPOT/bound", "baseline TTFT x", "baseline TPOT x"]
     rows = []
     for (_, doc), label in zip(results, labels(results)):

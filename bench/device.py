@@ -119,11 +119,12 @@ def slugify(text: str) -> str:
 
 
 def describe_device(provider: str = "cpu", *, cpuinfo: str | None = None, meminfo: str | None = None,
-                    cores: int | None = None, nvidia_smi: str | None = None) -> dict:
+                    cores: int | None = None, nvidia_smi: str | None = None, gpu_name: str | None = None) -> dict:
     """The device of one run: {kind, label, slug, cpu: {...}, gpu: {...} | None}.
 
     The keyword arguments stand in for /proc/cpuinfo, /proc/meminfo, the affinity mask and
-    nvidia-smi's output (tests); by default they are read from this machine.
+    nvidia-smi's output (tests); by default they are read from this machine. gpu_name, when the
+    runtime knows it (the TensorRT backend asks CUDA), names the GPU where nvidia-smi does not.
     """
     cores = cpu_cores() if cores is None else cores
     memory = memory_bytes(meminfo)
@@ -134,6 +135,10 @@ def describe_device(provider: str = "cpu", *, cpuinfo: str | None = None, meminf
     if provider not in GPU_PROVIDERS:
         return {"kind": "cpu", "label": cpu_label, "slug": cpu_slug, "cpu": cpu, "gpu": None}
     found = gpus(nvidia_smi)
+    if not found and gpu_name:
+        gpu = {"name": gpu_name, "memory_bytes": None, "memory_gib": None, "count": 1,
+               "note": "named by CUDA; nvidia-smi did not answer, so its memory is not known"}
+        return {"kind": "gpu", "label": gpu_name, "slug": f"gpu-{slugify(gpu_name)}", "cpu": cpu, "gpu": gpu}
     if not found:
         gpu = {"name": "unknown GPU", "memory_bytes": None, "memory_gib": None, "count": 0,
                "note": "nvidia-smi did not answer; the GPU is not named"}

@@ -19,11 +19,17 @@ PER_LAYER_PNG = "per_layer.png"
 TPOT_PNG = "tpot_vs_context.png"
 
 
+def runs_on(doc: dict) -> str:
+    """What ran the artifact: the ONNX Runtime provider ("cpu", "cuda", ...) or "tensorrt engines"
+    (results written before the backend was recorded ran on ONNX Runtime)."""
+    return "tensorrt engines" if doc.get("backend") == "tensorrt" else doc["provider"]
+
+
 def run_label(doc: dict) -> str:
     """'AMD EPYC, 2 cores, 24 GiB / cpu / 2 threads': one result's row name across machines."""
     count = doc.get("threads")
     threads = f"{count} thread{'s' * (count != 1)}" if count else "default threads"
-    return f"{doc['device']['label']} / {doc['provider']} / {threads}"
+    return f"{doc['device']['label']} / {runs_on(doc)} / {threads}"
 
 
 def _value(summary: dict | None, key: str = "median"):
@@ -43,7 +49,7 @@ def csv_rows(doc: dict) -> list[dict]:
     rows = []
     for cell in doc["cells"]:
         row = {"device": doc["device"]["label"], "device_slug": doc["device"]["slug"], "provider": doc["provider"],
-               "threads": doc["threads"] or "", "manifest_sha256": doc["artifact"]["manifest_sha256"],
+               "backend": doc.get("backend", "onnxruntime"), "threads": doc["threads"] or "", "manifest_sha256": doc["artifact"]["manifest_sha256"],
                "batch": cell["batch"], "prompt_len": cell["prompt_len"], "gen_len": cell["gen_len"]}
         for figure in CSV_FIGURES:
             for key in ("median", "p10", "p90"):
@@ -116,7 +122,7 @@ def plot_per_layer(doc: dict, path: Path) -> None:
                label=f"batch {cell['batch']}, prompt {cell['prompt_len']} (step {steps['step']['median']:.1f} ms)")
     ax.set_xticks(range(len(labels)), labels)
     ax.set_ylabel("ms per decode step (median, p10-p90)")
-    ax.set_title(f"Decode step by stage: {doc['device']['label']}, {doc['provider']}\n"
+    ax.set_title(f"Decode step by stage: {doc['device']['label']}, {runs_on(doc)}\n"
                  f"{Path(doc['artifact']['path']).name} ({doc['artifact']['layers']} layers, "
                  f"{doc['artifact']['kv_cache']} cache)", fontsize=10)
     ax.grid(axis="y", alpha=0.3)
@@ -175,7 +181,7 @@ def plot_tpot(doc: dict, path: Path) -> None:
     _plain_ticks(ax, [c["prompt_len"] for c in doc["cells"]])
     ax.set_xlabel("prompt length (tokens in the cache when decoding starts)")
     ax.set_ylabel("ms per output token (median, p10-p90)")
-    ax.set_title(f"Time per output token: {doc['device']['label']}, {doc['provider']}\n"
+    ax.set_title(f"Time per output token: {doc['device']['label']}, {runs_on(doc)}\n"
                  f"bound = bytes read per step / {doc['bandwidth']['gb_per_s']['median']:.1f} GB/s measured",
                  fontsize=10)
     ax.grid(which="both", alpha=0.3)
@@ -252,7 +258,7 @@ def format_result(doc: dict, markdown: bool = False) -> str:
     mem, bw = doc["memory"], doc["bandwidth"]["gb_per_s"]
     header, rows = cell_rows(doc)
     lines = [
-        f"device     {doc['device']['label']} ({doc['device']['slug']}); provider {doc['provider']}, "
+        f"device     {doc['device']['label']} ({doc['device']['slug']}); {runs_on(doc)}, "
         f"{doc['threads'] or 'default'} threads",
         f"artifact   {doc['artifact']['path']} (manifest sha256 {doc['artifact']['manifest_sha256'][:12]}, "
         f"{doc['artifact']['layers']} layers, {doc['artifact']['kv_cache']} cache)",

@@ -242,13 +242,16 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         start, stop = manifest.graphs["layer_range"]
         raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to benchmark it")
     notes: list[str] = []
-    device = describe_device(options.provider)
+    on_gpu = options.backend == "tensorrt" or options.provider in GPU_PROVIDERS
     kind, checkpoint = _resolve_baseline(options, manifest, notes)
     threads = options.threads or cpu_cores()
     base = BaselineProcess(kind, checkpoint, threads) if kind else None
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
         ours = _Ours(manifest, options.provider, options.threads, options.backend)
+        record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
+        device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
+                                 gpu_name=record["gpu"]["name"] if record else None)
         baseline_info = None
         if base is not None:
             try:
@@ -288,7 +291,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
                         kept[(batch, prompt_len)][side].append(result)
                     if bar is not None:
                         bar.update(1)
-                if options.provider in GPU_PROVIDERS:
+                if on_gpu:
                     device_memory.append(gpu_memory_used())
         results = [(batch, prompt_len, kept[(batch, prompt_len)],
                     decode_step_bytes(config, kv_per_token_layer, batch, prompt_len + options.gen_len / 2))
@@ -312,6 +315,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         "wall_seconds": time.perf_counter() - wall_started,
         "device": device,
         "provider": options.provider,
+        "backend": options.backend,
         "threads": options.threads,
         "versions": {"k2deploy": _version("k2deploy"), "onnxruntime": _version("onnxruntime"),
                      "numpy": np.__version__, "python": platform.python_version(),

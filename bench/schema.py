@@ -170,7 +170,10 @@ SCHEMA = {
                 }]},
             },
         },
-        "provider": {"enum": ["cpu", "cuda", "tensorrt"]},
+        "provider": {"enum": ["cpu", "cuda", "tensorrt"], "description": "ONNX Runtime's execution provider"},
+        "backend": {"enum": ["onnxruntime", "tensorrt"],
+                    "description": "what ran the artifact: ONNX Runtime (with `provider`) or the TensorRT engines of "
+                                   "`k2deploy build-engines`; absent in results that predate it: onnxruntime"},
         "threads": {"type": ["integer", "null"], "description": "intra-op threads asked for; null: ONNX Runtime's choice"},
         "versions": {"type": "object", "required": ["k2deploy", "onnxruntime", "numpy", "python"],
                      "additionalProperties": _STRING_OR_NULL},

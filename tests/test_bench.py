@@ -121,7 +121,7 @@ def test_second_run_without_torch_and_compare(bench_run, tiny_artifacts, tmp_pat
     assert "1 thread " in table and "2 threads" in table and "eager" in table
     assert len(table.strip().splitlines()) == 2 + 4 + 2  # header, rule, 4 + 2 cells
     markdown = (tmp_path / "cmp" / "compare.md").read_text()
-    assert markdown.startswith("| device / provider / threads |") and markdown.count("\n") == 2 + 6
+    assert markdown.startswith("| device / runs on / threads |") and markdown.count("\n") == 2 + 6
     from matplotlib.image import imread
 
     assert imread(tmp_path / "cmp" / "compare.png")[..., :3].std() > 0.05

@@ -173,6 +173,9 @@ class FakeCuda:
     def free(self, pointer):
         pass
 
+    def device_synchronize(self):
+        pass
+
 
 def test_the_device_cache_stores_entries_where_the_host_cache_does():
     import numpy as np
@@ -201,9 +204,7 @@ def test_the_device_cache_stores_entries_where_the_host_cache_does():
             cuda.memory[address:address + array.nbytes] = array.tobytes()
         device.store(layer, positions, valid, pointers)
     for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
-        start = device.buffers[name].pointer
-        stored = np.frombuffer(bytes(cuda.memory[start:start + array.nbytes]), dtype=array.dtype).reshape(array.shape)
-        np.testing.assert_array_equal(stored, array, err_msg=name)
+        np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
 
 
 def _device_and_host_caches(layers, batch, max_len):
@@ -248,6 +249,13 @@ def _read(cuda, address, like):
     return np.frombuffer(bytes(cuda.memory[address:address + like.nbytes]), dtype=like.dtype).reshape(like.shape)
 
 
+def _read_cache(cuda, device, name, like):
+    """A device cache array as the host's [layers, max_len, batch, ...]: each layer's block at its own address."""
+    import numpy as np
+
+    return np.stack([_read(cuda, device.layer_address(name, layer), like[layer]) for layer in range(len(like))])
+
+
 @pytest.mark.parametrize("slots", [[2, 0], [1], [0, 1, 2, 3]], ids=["two-reordered", "one", "whole"])
 def test_device_cache_rows_see_and_grow_the_slots_the_host_rows_do(slots):
     """The server runs a forward over some slots of the cache: on the GPU the rows' past is gathered into
@@ -276,7 +284,7 @@ def test_device_cache_rows_see_and_grow_the_slots_the_host_rows_do(slots):
         rows.commit()
     assert device.lengths.tolist() == host.lengths.tolist()
     for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
-        np.testing.assert_array_equal(_read(cuda, device.buffers[name].pointer, array), array, err_msg=name)
+        np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
 
 
 def test_device_cache_rows_must_be_distinct_slots():

@@ -43,6 +43,7 @@ class TrtModel:
 
             register(aot=False)  # just-in-time plugins run Python: their definitions must be registered
         self.cuda = CudaRuntime()
+        self.cuda.set_device(gpu.index)
         self.stream = self.cuda.stream()
         self.max_batch, self.max_seq = record["settings"]["max_batch"], record["settings"]["max_seq"]
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -53,7 +54,10 @@ class TrtModel:
             if engine is None:
                 raise K2Error(f"TensorRT could not load {directory / record['engines'][stem]['engine']}; rebuild with "
                               f"`k2deploy build-engines {manifest.root}`")
-            return engine, engine.create_execution_context()
+            context = engine.create_execution_context()
+            if context is None:
+                raise K2Error(f"TensorRT could not create an execution context for {stem} (out of GPU memory?)")
+            return engine, context
 
         graphs = manifest.graphs
         self.embed = load("embed")
@@ -91,7 +95,10 @@ class TrtModel:
             context.set_optimization_profile_async(profile, stream_handle(self.stream))
             self._profile[id(context)] = profile
         for name, (shape, address) in inputs.items():
-            context.set_input_shape(name, shape)
+            if not context.set_input_shape(name, shape):
+                raise K2Error(f"TensorRT refused input {name} of shape {tuple(shape)}: outside the engines' profile "
+                              f"(batch {self.max_batch}, {self.max_seq} positions); rebuild with `k2deploy "
+                              f"build-engines {self.manifest.root}` and larger --max-batch / --max-seq")
             context.set_tensor_address(name, address)
         for name, address in outputs.items():
             context.set_tensor_address(name, address)

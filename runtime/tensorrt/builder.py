@@ -4,7 +4,8 @@ For every graph the TensorRT copy (ART/graphs/<stem>.tensorrt.onnx, written by
 `k2deploy.export.tensorrt_graph`) is parsed into a strongly typed network (FP8 stays FP8 through
 its explicit Q/DQ), given two optimisation profiles (0: prefill, 1: decode) and built; the engines
 and their record go to ART/engines/<gpu>/. Engines whose record still fits (same GPU, TensorRT,
-manifest and settings, files intact) are kept, so an interrupted build resumes.
+manifest and settings, files intact) and whose TensorRT copy of the graph is unchanged are kept, so
+an interrupted build resumes.
 
 Needs TensorRT (and for the plugins torch with CUDA; for the AOT kernels triton); imports them lazily.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ...errors import K2Error
-from ...manifest import load_manifest
+from ...manifest import load_manifest, sha256_file
 from .environment import detect_gpu, parse_gpu_option, require_tensorrt
 from .record import check_record, engines_dir, make_record, read_record, write_record
 
@@ -71,16 +72,17 @@ def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, m
     out.mkdir(parents=True, exist_ok=True)
     settings = {"max_batch": max_batch, "max_seq": max_seq, "workspace_gb": workspace_gb, "aot": aot,
                 "profiles": list(PROFILES), "strongly_typed": True}
-    kept = _reusable(out, info, trt.__version__, manifest, settings)
+    previous = _reusable(out, info, trt.__version__, manifest, settings)
     logger = trt.Logger(trt.Logger.INFO if verbose else trt.Logger.WARNING)
     engines = {}
     for entry in graph_entries(manifest):
         stem = Path(entry["file"]).stem
         onnx_path = copy_path(manifest, entry)
         engines[stem] = {"engine": f"{stem}.engine", "onnx": copies[stem]["file"],
+                         "onnx_sha256": sha256_file(onnx_path),  # the graph its engine was built from
                          "inputs": [i["name"] for i in entry["inputs"]],
                          "outputs": [o["name"] for o in entry["outputs"]]}
-        if stem in kept:
+        if previous.get(stem, {}).get("onnx_sha256") == engines[stem]["onnx_sha256"]:
             on_graph(stem, "kept")
             continue
         started = time.perf_counter()
@@ -96,19 +98,32 @@ def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, m
     return record
 
 
-def _reusable(out: Path, info, version: str, manifest, settings: dict) -> set[str]:
+def _reusable(out: Path, info, version: str, manifest, settings: dict) -> dict:
+    """The engines of an earlier build here that still fit (same GPU, TensorRT, export and settings; files
+    intact), by stem; each is kept if its TensorRT copy of the graph is also unchanged."""
     try:
         old = read_record(out)
         check_record(old, info, version, manifest.digest, manifest.root, out)
     except K2Error:
-        return set()
-    return set(old.get("engines", {})) if old.get("settings") == settings else set()
+        return {}
+    return old.get("engines", {}) if old.get("settings") == settings else {}
+
+
+def network_flags(trt, aot: bool) -> int:
+    """Strongly typed (FP8 through explicit Q/DQ; TensorRT 11 is always so), and which implementation of a
+    plugin with both (AOT and Python) the network takes, which TensorRT otherwise asks for."""
+    flags = 0
+    kinds = trt.NetworkDefinitionCreationFlag
+    for name in ("STRONGLY_TYPED", "PREFER_AOT_PYTHON_PLUGINS" if aot else "PREFER_JIT_PYTHON_PLUGINS"):
+        flag = getattr(kinds, name, None)
+        if flag is not None:
+            flags |= 1 << int(flag)
+    return flags
 
 
 def _build_one(trt, logger, onnx_path: Path, entry: dict, settings: dict) -> bytes:
     builder = trt.Builder(logger)
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)  # TensorRT 11: always strongly typed
-    network = builder.create_network(0 if flag is None else 1 << int(flag))
+    network = builder.create_network(network_flags(trt, settings["aot"]))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
@@ -127,7 +142,8 @@ def _build_one(trt, logger, onnx_path: Path, entry: dict, settings: dict) -> byt
                 raise K2Error(f"{onnx_path.name}: network input {name!r} is not in the manifest")
             profile.set_shape(name, *profile_shapes(specs[name]["shape"], profile_name, settings["max_batch"],
                                                     settings["max_seq"]))
-        config.add_optimization_profile(profile)
+        if config.add_optimization_profile(profile) != PROFILES.index(profile_name):
+            raise K2Error(f"{onnx_path.name}: TensorRT refused the {profile_name} optimisation profile")
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise K2Error(f"TensorRT could not build an engine from {onnx_path.name}; run with --verbose for its log")
@@ -140,7 +156,9 @@ def _set_device(index: int) -> None:
             from cuda.bindings import runtime as cudart
         except ImportError:
             from cuda import cudart
-        cudart.cudaSetDevice(index)
-    except Exception:  # noqa: BLE001 - without cuda-python TensorRT uses the current device
+    except ImportError:  # without cuda-python TensorRT uses the current device
         if index:
             raise K2Error("--gpu N needs cuda-python (pip install cuda-python)") from None
+        return
+    if int(cudart.cudaSetDevice(index)[0]) != 0:
+        raise K2Error(f"cannot use CUDA device {index}: cudaSetDevice failed")

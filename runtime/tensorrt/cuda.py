@@ -26,7 +26,8 @@ class CudaRuntime:
     def call(self, result):
         err, *rest = result if isinstance(result, tuple) else (result,)
         if int(err) != 0:
-            raise K2Error(f"CUDA error {int(err)} ({self.rt.cudaGetErrorName(err)[1]})")
+            name = self.rt.cudaGetErrorName(err)[1]
+            raise K2Error(f"CUDA error {int(err)} ({name.decode() if isinstance(name, bytes) else name})")
         return rest[0] if len(rest) == 1 else rest
 
     def malloc(self, nbytes: int) -> int:
@@ -34,6 +35,13 @@ class CudaRuntime:
 
     def free(self, pointer: int) -> None:
         self.rt.cudaFree(pointer)
+
+    def set_device(self, index: int) -> None:
+        """Makes CUDA device `index` current for this thread: streams, memory and engines land there."""
+        self.call(self.rt.cudaSetDevice(index))
+
+    def device_synchronize(self) -> None:
+        self.call(self.rt.cudaDeviceSynchronize())
 
     def stream(self):
         return self.call(self.rt.cudaStreamCreate())
@@ -56,8 +64,5 @@ class CudaRuntime:
 
 
 def stream_handle(stream) -> int:
-    """The integer handle TensorRT takes for a stream of cuda-python."""
-    try:
-        return int(stream)
-    except TypeError:
-        return int(stream.getPtr())
+    """The integer handle TensorRT takes for a stream of cuda-python (cudaStream_t converts with int())."""
+    return int(stream)

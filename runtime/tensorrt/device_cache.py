@@ -2,7 +2,7 @@
 
 Layout as on the host, time-major: per array [layers, max_len, batch, width], so that the first
 `past` positions of a layer are one contiguous [past, batch, width] block, which an engine reads
-in place. Copies between positions and rows are cudaMemcpy2DAsync calls on the model's stream:
+in place (each layer's block starts 256-byte aligned, as TensorRT wants its tensor addresses). Copies between positions and rows are cudaMemcpy2DAsync calls on the model's stream:
 a run of consecutive positions of one row is one 2-D copy (rows are `batch * width` bytes apart).
 """
 
@@ -13,16 +13,25 @@ import numpy as np
 from ...errors import K2Error
 
 
+ALIGN = 256  # TensorRT wants every tensor address 256-byte aligned (and non-null, even when empty)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
 class DeviceBuffer:
-    """A growable device allocation."""
+    """A growable device allocation, never empty (so its address is never null)."""
 
     def __init__(self, cuda, nbytes: int = 0):
         self.cuda, self.nbytes, self.pointer = cuda, 0, 0
         self.ensure(nbytes)
 
     def ensure(self, nbytes: int) -> int:
+        nbytes = max(aligned(nbytes), ALIGN)
         if nbytes > self.nbytes:
             if self.pointer:
+                self.cuda.device_synchronize()  # queued work may still read the old allocation
                 self.cuda.free(self.pointer)
             self.pointer, self.nbytes = self.cuda.malloc(nbytes), nbytes
         return self.pointer
@@ -50,7 +59,8 @@ class DeviceLatentCache:
     def __init__(self, kv_cache: dict, layers: int, batch: int, max_len: int, cuda, stream):
         self.format, self.max_len, self.batch, self.cuda, self.stream = kv_cache["format"], max_len, batch, cuda, stream
         self.widths = entry_widths(kv_cache)
-        self.layer_bytes = {name: max_len * batch * w for name, w in self.widths.items()}
+        # one layer's [max_len, batch, width] block per array, padded so that every layer starts 256-byte aligned
+        self.layer_bytes = {name: aligned(max_len * batch * w) for name, w in self.widths.items()}
         self.buffers = {name: DeviceBuffer(cuda, layers * size) for name, size in self.layer_bytes.items()}
         for buffer in self.buffers.values():
             cuda.memset(buffer.pointer, buffer.nbytes, stream)

@@ -4,7 +4,7 @@ records and checks, it builds nothing. Put this folder first on sys.path to use 
 
 from enum import Enum
 
-__version__ = "0.0.0-stand-in"
+__version__ = "10.13.0+stand-in"
 
 
 class DataType(Enum):  # names as in trt.DataType, which AutoTuneCombination strings use
@@ -21,3 +21,5 @@ class DataType(Enum):  # names as in trt.DataType, which AutoTuneCombination str
 float32, float16, bfloat16, int32, int64, bool, uint8, fp8 = (  # noqa: A001 - trt's own names
     DataType.FLOAT, DataType.HALF, DataType.BF16, DataType.INT32, DataType.INT64, DataType.BOOL, DataType.UINT8,
     DataType.FP8)
+
+from ._engine import Builder, Logger, MemoryPoolType, NetworkDefinitionCreationFlag, OnnxParser, Runtime  # noqa: E402,F401
