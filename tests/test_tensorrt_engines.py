@@ -303,3 +303,30 @@ def test_without_tensorrt_each_runtime_command_says_what_to_install(tiny_artifac
     done = run_cli(command, tiny_artifacts["fp8"], "--backend", "tensorrt", *extra)
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [f"k2deploy {command}: error: {INSTALL_HINT}"]
+
+
+def test_an_engine_whose_inputs_differ_from_the_graph_is_refused_on_load():
+    from types import SimpleNamespace
+
+    from k2deploy.runtime.tensorrt.backend import check_engine_io
+
+    trt = SimpleNamespace(float32="f32", fp8="fp8", bfloat16="bf16", int64="i64")
+    graph = {"inputs": [{"name": "hidden", "dtype": "FLOAT"}, {"name": "past_latent", "dtype": "FLOAT8E4M3FN"}],
+             "outputs": [{"name": "hidden_out", "dtype": "FLOAT"}]}
+
+    class Engine:
+        def __init__(self, io):
+            self.io, self.num_io_tensors = io, len(io)
+
+        def get_tensor_name(self, index):
+            return list(self.io)[index]
+
+        def get_tensor_dtype(self, name):
+            return self.io[name]
+
+    check_engine_io(trt, Engine({"hidden": "f32", "past_latent": "fp8", "hidden_out": "f32"}), "layer_000", graph, "ART")
+    with pytest.raises(K2Error, match="engine layer_000 does not match the artifact's graph \\(extra_input extra; "
+                                      "past_latent is bf16, expected FLOAT8E4M3FN\\); rebuild with `k2deploy "
+                                      "build-engines ART`"):
+        check_engine_io(trt, Engine({"hidden": "f32", "past_latent": "bf16", "hidden_out": "f32", "extra_input": "f32"}),
+                        "layer_000", graph, "ART")

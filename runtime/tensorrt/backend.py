@@ -23,6 +23,24 @@ from .environment import detect_gpu, require_tensorrt
 from .record import check_record, find_engines, read_record
 
 
+TRT_TYPES = {"FLOAT": "float32", "INT64": "int64", "BOOL": "bool", "FLOAT16": "float16", "BFLOAT16": "bfloat16",
+             "FLOAT8E4M3FN": "fp8"}  # manifest dtype -> tensorrt's DataType attribute
+
+
+def check_engine_io(trt, engine, stem: str, graph: dict, root) -> None:
+    """The engine's inputs and outputs are the graph's, by name and type: the backend's buffers are laid
+    out from the manifest, so an engine from another export must not be run over them."""
+    have = {engine.get_tensor_name(i) for i in range(engine.num_io_tensors)}
+    want = {io["name"]: io["dtype"] for io in graph["inputs"] + graph["outputs"]}
+    problems = [f"{name} missing" for name in sorted(set(want) - have)]
+    problems += [f"{name} extra" for name in sorted(have - set(want))]
+    problems += [f"{name} is {engine.get_tensor_dtype(name)}, expected {dtype}" for name, dtype in want.items()
+                 if name in have and engine.get_tensor_dtype(name) != getattr(trt, TRT_TYPES[dtype])]
+    if problems:
+        raise K2Error(f"engine {stem} does not match the artifact's graph ({'; '.join(problems)}); rebuild with "
+                      f"`k2deploy build-engines {root}`")
+
+
 class TrtModel:
     """The engines of one artifact for this GPU, ready to run; the interface of `OrtModel`."""
 
@@ -49,20 +67,21 @@ class TrtModel:
         runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
         self._trt_runtime = runtime
 
-        def load(stem: str):
+        def load(stem: str, graph: dict):
             engine = runtime.deserialize_cuda_engine((directory / record["engines"][stem]["engine"]).read_bytes())
             if engine is None:
                 raise K2Error(f"TensorRT could not load {directory / record['engines'][stem]['engine']}; rebuild with "
                               f"`k2deploy build-engines {manifest.root}`")
+            check_engine_io(trt, engine, stem, graph, manifest.root)
             context = engine.create_execution_context()
             if context is None:
                 raise K2Error(f"TensorRT could not create an execution context for {stem} (out of GPU memory?)")
             return engine, context
 
         graphs = manifest.graphs
-        self.embed = load("embed")
-        self.layers = [load(f"layer_{entry['layer']:03d}") for entry in graphs["layers"]]
-        self.head = load("head")
+        self.embed = load("embed", graphs["embed"])
+        self.layers = [load(f"layer_{entry['layer']:03d}", entry) for entry in graphs["layers"]]
+        self.head = load("head", graphs["head"])
         self._profile: dict[int, int] = {}
         m = self.config.hidden_size
         tokens = self.max_batch * self.max_seq

@@ -173,7 +173,25 @@ class Runtime:
 
 class _Engine:
     def __init__(self, profiles, model_bytes):
+        import onnx
+
+        import tensorrt as trt
+
         self.profiles, self.model_bytes, self.session = profiles, model_bytes, None
+        graph = onnx.load_from_string(model_bytes).graph
+        types = {1: trt.float32, 7: trt.int64, 9: trt.bool, 10: trt.float16, 16: trt.bfloat16, 17: trt.fp8}
+        self.io = {v.name: types[16 if v.doc_string == "bf16" else v.type.tensor_type.elem_type]
+                   for v in [*graph.input, *graph.output]}
+
+    @property
+    def num_io_tensors(self):
+        return len(self.io)
+
+    def get_tensor_name(self, index):
+        return list(self.io)[index]
+
+    def get_tensor_dtype(self, name):
+        return self.io[name]
 
     def create_execution_context(self):
         return _Context(self)
