@@ -143,3 +143,21 @@ def test_serve_on_the_tensorrt_backend_batches_requests_without_torch(built, tmp
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_python_plugin_engines_need_torch_where_they_run(tiny_artifacts, tmp_path):
+    """Engines built with --no-aot run their plugins' kernels from Python: on a host without torch, loading
+    them says so and how to do without, instead of failing inside TensorRT."""
+    artifact = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "jit")
+    done = _k2deploy("build-engines", artifact, "--max-batch", "1", "--max-seq", "32", "--no-aot", "--json")
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)["plugins"].values()) == {"jit"}
+    blocker = tmp_path / "blocked" / "torch"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
+    done = _k2deploy("generate", artifact, "--prompt-ids", PROMPT, "--backend", "tensorrt", env=_env(blocker.parent))
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "built with --no-aot" in done.stderr and "need torch" in done.stderr and "rebuild without --no-aot" in \
+        done.stderr
+    done = _k2deploy("generate", artifact, "--prompt-ids", PROMPT, "--max-new-tokens", "4", "--backend", "tensorrt")
+    assert done.returncode == 0, done.stderr  # with torch there, the Python plugins are registered and it runs

@@ -10,6 +10,7 @@ holds a just-in-time (Python) plugin.
 
 from __future__ import annotations
 
+import importlib
 import time
 from collections import defaultdict
 
@@ -21,6 +22,14 @@ from .cuda import CudaRuntime, stream_handle
 from .device_cache import DeviceBuffer, DeviceCacheRows, DeviceLatentCache, entry_widths
 from .environment import detect_gpu, require_tensorrt
 from .record import check_record, find_engines, read_record
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
 
 
 TRT_TYPES = {"FLOAT": "float32", "INT64": "int64", "BOOL": "bool", "FLOAT16": "float16", "BFLOAT16": "bfloat16",
@@ -57,6 +66,11 @@ class TrtModel:
         check_record(record, gpu, trt.__version__, manifest.digest, manifest.root, directory)
         self.record = record
         if any(mode == "jit" for mode in record.get("plugins", {}).values()):
+            missing = [m for m in ("torch", "triton") if not _importable(m)]
+            if missing:
+                raise K2Error(f"these engines were built with --no-aot: their plugins run Python kernels, which need "
+                              f"{' and '.join(missing)} (torch with CUDA); install them, or rebuild without --no-aot: "
+                              f"`k2deploy build-engines {manifest.root}`")
             from ...plugins.tensorrt.registration import register
 
             register(aot=False)  # just-in-time plugins run Python: their definitions must be registered
