@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import K2Error
-from ..json_files import read_json
+from ..json_files import check_version, read_document
 from .report import NO_MATPLOTLIB, RESULT_FILE, _fmt, _plain_ticks, _pyplot, _table, have_matplotlib, run_label, runs_on
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import show
@@ -33,12 +33,10 @@ def find_results(path: str | Path) -> list[Path]:
 
 
 def load_result(path: Path) -> dict:
-    doc = read_json(path, "missing; run `k2deploy bench ART --out DIR` to make it")
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA_NAME:
-        raise K2Error(f"{path}: not a k2deploy bench result")
-    if doc.get("schema_version") != SCHEMA_VERSION:
-        raise K2Error(f"{path}: bench result schema version {doc.get('schema_version')!r}, this k2deploy reads "
-                      f"version {SCHEMA_VERSION}; re-run `k2deploy bench` with this version")
+    doc = read_document(path, "missing; run `k2deploy bench ART --out DIR` to make it", "schema", SCHEMA_NAME,
+                        "k2deploy bench result")
+    check_version(doc, "schema_version", SCHEMA_VERSION, f"{path}: bench result schema",
+                  "re-run `k2deploy bench` with this version")
     return doc
 
 

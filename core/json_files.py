@@ -20,6 +20,20 @@ def read_json(path: Path, missing: str) -> Any:
         raise K2Error(f"{path}: not valid JSON ({exc})") from None
 
 
+def read_document(path: Path, missing: str, key: str, tag: str, what: str) -> dict:
+    """read_json, then a K2Error "PATH: not a <what>" unless it is an object whose `key` is `tag`."""
+    doc = read_json(path, missing)
+    if not isinstance(doc, dict) or doc.get(key) != tag:
+        raise K2Error(f"{path}: not a {what}")
+    return doc
+
+
+def check_version(doc: dict, key: str, version: int, subject: str, redo: str) -> None:
+    """A K2Error "<subject> version V, this k2deploy reads version W; <redo>" unless doc[key] is `version`."""
+    if doc.get(key) != version:
+        raise K2Error(f"{subject} version {doc.get(key)!r}, this k2deploy reads version {version}; {redo}")
+
+
 def write_json_atomically(path: Path, obj: dict) -> None:
     partial = path.with_name(f".{path.name}.partial")
     partial.write_text(json.dumps(obj, indent=2) + "\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
-from .json_files import read_json
+from .json_files import check_version, read_document
 
 FORMAT = "k2deploy-artifact"
 FORMAT_VERSION = 1
@@ -69,12 +69,9 @@ def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
     if not path.exists():
         raise K2Error(f"{root}: no {MANIFEST_FILE}; the export is unfinished or this is not an artifact "
                       f"(re-run `k2deploy export` to resume it)")
-    data = read_json(path, "missing")
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise K2Error(f"{path}: not a k2deploy manifest")
-    if data.get("format_version") != FORMAT_VERSION:
-        raise K2Error(f"{path}: format version {data.get('format_version')!r}, this k2deploy reads version "
-                      f"{FORMAT_VERSION}; re-export the checkpoint with this version")
+    data = read_document(path, "missing", "format", FORMAT, "k2deploy manifest")
+    check_version(data, "format_version", FORMAT_VERSION, f"{path}: format",
+                  "re-export the checkpoint with this version")
     for relative, record in data["files"].items():
         file = root / relative
         if not file.exists():

@@ -7,11 +7,11 @@ process without TRITON_INTERPRET, so the kernels are compiled, not interpreted.
 """
 
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from child_env import child_env
 
 pytest.importorskip("triton")
 
@@ -57,8 +57,8 @@ print(json.dumps({"plugins": out, "fp8_decode_shared": fp8}))
 
 
 def _run(code: str, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=child_env(),
+                          timeout=600)
 
 
 @pytest.fixture(scope="module")

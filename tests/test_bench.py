@@ -2,13 +2,13 @@
 per-stage breakdown, compare over two saved results, device naming, and the errors."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
 
 import pytest
+from child_env import blocked, child_env
 
 from k2deploy.bench.compare import load_result, run_compare
 from k2deploy.bench.device import describe_device, nominal_gib, slugify
@@ -102,10 +102,7 @@ def test_csv_and_real_plots(bench_run):
 def test_second_run_without_torch_and_compare(bench_run, tiny_artifacts, tmp_path):
     """A second result (2 threads, where torch cannot import: no baseline), then compare over both."""
     _, files = bench_run
-    blocker = tmp_path / "blocked" / "torch"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed on this serving host')\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(blocker.parent), os.environ.get("PYTHONPATH", "")]))
+    env = child_env(blocked(tmp_path, "torch"))
     second = tmp_path / "two-threads"
     run = bench_cli(tiny_artifacts["fp8"], "--batch", "1", "--prompt-len", "4,12", "--gen-len", "3", "--repeats", "2",
                     "--threads", "2", "--bandwidth-mib", "8", "--out", second, "--json", env=env)

@@ -1,20 +1,14 @@
 """The runtime path runs on a machine where `import torch` (and onnx, onnxscript) fails."""
 
 import json
-import os
 
+from child_env import blocked, child_env
 from cli import run_cli
 
 
 def _env_without_torch(tmp_path):
-    """PYTHONPATH in front of the real packages: torch, onnx and onnxscript raise on import."""
-    blocked = tmp_path / "blocked"
-    for name in ("torch", "onnx", "onnxscript"):
-        (blocked / name).mkdir(parents=True)
-        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed on this serving host')\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(blocked), env.get("PYTHONPATH", "")])
-    return env
+    """torch, onnx and onnxscript raise on import."""
+    return child_env(blocked(tmp_path, "torch", "onnx", "onnxscript"))
 
 
 def test_generate_score_and_inspect_import_no_torch(tiny_artifacts, tmp_path):

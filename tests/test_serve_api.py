@@ -3,15 +3,10 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,69 +16,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-STARTUP_S = 90
-MODEL = "tiny-k2"
-
-
-class Server:
-    """A `python -m k2deploy.runtime.serve` process; its output goes to files (a full pipe would stall it)."""
-
-    def __init__(self, artifact: Path, workdir: Path, *args: str):
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.stdout_path, self.stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
-        with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "k2deploy.runtime.serve", str(artifact), "--port", "0", "--model-name", MODEL,
-                 "--threads", "2", *args], stdout=out, stderr=err, env=_env_without_torch(workdir))
-        self.url = self._wait_until_up()
-
-    def _wait_until_up(self) -> str:
-        deadline = time.monotonic() + STARTUP_S
-        while time.monotonic() < deadline:
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", self.stdout_path.read_text())
-            if match:
-                try:
-                    if httpx.get(f"{match.group(1)}/health", timeout=5).status_code == 200:
-                        return match.group(1)
-                except httpx.TransportError:
-                    pass
-            assert self.process.poll() is None, f"server exited: {self.stderr_path.read_text()}"
-            time.sleep(0.2)
-        raise AssertionError(f"server not up after {STARTUP_S} s: {self.stderr_path.read_text()}")
-
-    def client(self, **kwargs) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
-                             timeout=60, **kwargs)
-
-    def metric(self, name: str, headers: dict | None = None) -> float:
-        text = httpx.get(f"{self.url}/metrics", headers=headers, timeout=10).text
-        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
-        return float(match.group(1)) if match else 0.0
-
-    def wait_for_metric(self, name: str, value: float, headers: dict | None = None, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while self.metric(name, headers) != value:
-            assert time.monotonic() < deadline, f"{name} stayed at {self.metric(name, headers)}, expected {value}"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-
-
-def _env_without_torch(workdir: Path) -> dict:
-    """The serving host has no torch: an `import torch` that fails stands in front of the real one."""
-    blocker = workdir / "blocked" / "torch"
-    blocker.mkdir(parents=True, exist_ok=True)
-    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed on this serving host')\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(blocker.parent), env.get("PYTHONPATH", "")])
-    return env
+from serving import MODEL, Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

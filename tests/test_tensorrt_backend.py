@@ -5,34 +5,25 @@ path: the engine build loop and record, the profiles, the device buffers and cac
 them, the per-step bindings and the server's cache rows; what it cannot check is TensorRT itself."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
+from child_env import STAND_IN, blocked, child_env
 
 pytest.importorskip("onnx")
 pytest.importorskip("triton")  # build-engines wants triton for the ahead-of-time kernels
 
-STAND_IN = Path(__file__).parent / "stand_in"
 PROMPT = "1,5,9,200,7,8,9"
-
-
-def _env(*front: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([*map(str, front), str(STAND_IN), env.get("PYTHONPATH", "")])
-    return env
 
 
 def _k2deploy(*args, env=None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "k2deploy", *map(str, args)], capture_output=True, text=True,
-                          env=env or _env(), timeout=600)
+                          env=env or child_env(STAND_IN), timeout=600)
 
 
 @pytest.fixture(scope="module", params=["fp8", "bf16"])
@@ -110,30 +101,18 @@ def test_bench_runs_on_the_tensorrt_backend(built, tmp_path):
 
 
 def test_serve_on_the_tensorrt_backend_batches_requests_without_torch(built, tmp_path):
-    artifact, _ = built
-    blocker = tmp_path / "blocked" / "torch"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed on this serving host')\n")
-    out = tmp_path / "serve.out"
-    with open(out, "wb") as stdout, open(tmp_path / "serve.err", "wb") as stderr:
-        server = subprocess.Popen([sys.executable, "-m", "k2deploy", "serve", artifact, "--backend", "tensorrt",
-                                   "--port", "0", "--max-batch", "4", "--max-context", "63"],
-                                  stdout=stdout, stderr=stderr, env=_env(blocker.parent))
-    try:
-        import httpx
+    pytest.importorskip("openai")
+    from serving import MODEL, Server
 
-        deadline, url = time.monotonic() + 90, None
-        while url is None:
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.err").read_text()
-            match = re.search(r"on (http://127\.0\.0\.1:\d+)/v1", out.read_text())
-            url = match.group(1) if match else time.sleep(0.2)
-        assert "tensorrt)" in out.read_text()
+    artifact, _ = built
+    server = Server(artifact, tmp_path, "--backend", "tensorrt", "--max-batch", "4", "--max-context", "63",
+                    front=(STAND_IN,))
+    try:
+        assert "tensorrt)" in server.stdout_path.read_text()
+        client = server.client()
 
         def complete(prompt):
-            reply = httpx.post(f"{url}/v1/completions", timeout=60,
-                               json={"model": artifact.name, "prompt": prompt, "max_tokens": 6, "temperature": 0})
-            assert reply.status_code == 200, reply.text
-            return reply.json()["choices"][0]["text"]
+            return client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
 
         prompts = [[1, 5, 9], [7, 8, 9, 10, 11, 12], [300], [42, 43]]
         alone = [complete(p) for p in prompts]
@@ -141,8 +120,7 @@ def test_serve_on_the_tensorrt_backend_batches_requests_without_torch(built, tmp
             together = list(pool.map(complete, prompts))
         assert together == alone
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.stop()
 
 
 def test_python_plugin_engines_need_torch_where_they_run(tiny_artifacts, tmp_path):
@@ -152,10 +130,8 @@ def test_python_plugin_engines_need_torch_where_they_run(tiny_artifacts, tmp_pat
     done = _k2deploy("build-engines", artifact, "--max-batch", "1", "--max-seq", "32", "--no-aot", "--json")
     assert done.returncode == 0, done.stderr
     assert set(json.loads(done.stdout)["plugins"].values()) == {"jit"}
-    blocker = tmp_path / "blocked" / "torch"
-    blocker.mkdir(parents=True)
-    (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
-    done = _k2deploy("generate", artifact, "--prompt-ids", PROMPT, "--backend", "tensorrt", env=_env(blocker.parent))
+    done = _k2deploy("generate", artifact, "--prompt-ids", PROMPT, "--backend", "tensorrt",
+                     env=child_env(blocked(tmp_path, "torch"), STAND_IN))
     assert done.returncode != 0 and "Traceback" not in done.stderr
     assert "built with --no-aot" in done.stderr and "need torch" in done.stderr and "rebuild without --no-aot" in \
         done.stderr

@@ -9,16 +9,14 @@ that finds the stand-in first on its path and compiles the kernels (no TRITON_IN
 """
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from child_env import STAND_IN, child_env
 
 pytest.importorskip("triton")
 
-STAND_IN = Path(__file__).parent / "stand_in"
 M, E, K, F, H, D, V, C, R = 7168, 384, 8, 2048, 64, 128, 128, 512, 64
 
 SCRIPT = r"""
@@ -70,10 +68,8 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def registered():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(STAND_IN), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, timeout=600)
+                          env=child_env(STAND_IN), timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout)
 

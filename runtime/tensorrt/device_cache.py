@@ -65,6 +65,9 @@ class DeviceLatentCache:
         for buffer in self.buffers.values():
             cuda.memset(buffer.pointer, buffer.nbytes, stream)
         self.lengths = np.zeros(batch, dtype=np.int64)
+        # where DeviceCacheRows gather some slots' past, one layer at a time: kept here, so that the server's
+        # steps reuse them (they grow to the longest past seen) instead of allocating each step
+        self.gathered = {name: DeviceBuffer(cuda) for name in self.widths}
 
     @property
     def nbytes(self) -> int:
@@ -123,13 +126,12 @@ class DeviceCacheRows:
         self.cache, self.slots, self.batch = cache, np.asarray(slots, dtype=np.int64), len(slots)
         self.whole = np.array_equal(self.slots, np.arange(cache.batch))
         self.lengths = cache.lengths[self.slots]  # a copy; forward replaces it with the grown lengths
-        self.gathered = {name: DeviceBuffer(cache.cuda) for name in cache.widths}
 
     def past_address(self, name: str, layer: int, past: int) -> int:
         if self.whole:
             return self.cache.past_address(name, layer, past)
         cache, width = self.cache, self.cache.widths[name]
-        scratch = self.gathered[name].ensure(past * self.batch * width)
+        scratch = cache.gathered[name].ensure(past * self.batch * width)
         if past:
             for row, slot in enumerate(self.slots):
                 cache.cuda.copy_2d(scratch + row * width, self.batch * width,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...errors import K2Error
-from ...json_files import read_json, write_json_atomically
+from ...json_files import check_version, read_document, write_json_atomically
 from ...manifest import sha256_file
 from .environment import GpuInfo
 
@@ -47,19 +47,15 @@ def write_record(directory: Path, record: dict) -> None:
 
 def read_record(directory: Path) -> dict:
     path = Path(directory) / RECORD_FILE
-    record = read_json(path, "missing: the engines there are unfinished or were not built by k2deploy")
-    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-        raise K2Error(f"{path}: not a k2deploy engine record")
-    return record
+    return read_document(path, "missing: the engines there are unfinished or were not built by k2deploy", "format",
+                         RECORD_FORMAT, "k2deploy engine record")
 
 
 def check_record(record: dict, gpu: GpuInfo, tensorrt_version: str, manifest_digest: str, artifact: Path,
                  directory: Path | None = None) -> None:
     """Raises K2Error, with the command that rebuilds, unless these engines fit this GPU, TensorRT and artifact."""
     rebuild = f"rebuild them with `{rebuild_command(artifact, gpu)}`"
-    if record.get("format_version") != RECORD_VERSION:
-        raise K2Error(f"engine record version {record.get('format_version')!r}, this k2deploy reads version "
-                      f"{RECORD_VERSION}; {rebuild}")
+    check_version(record, "format_version", RECORD_VERSION, "engine record", rebuild)
     built_gpu = record.get("gpu") or {}
     if (built_gpu.get("name"), built_gpu.get("compute_capability")) != (gpu.name, gpu.compute_capability):
         raise K2Error(f"these engines were built for {built_gpu.get('name')} (compute capability "
