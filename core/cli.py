@@ -82,8 +82,11 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     exporter = _export_side()
+    from .targets import check_target, default_target
+
+    target = check_target(args.target) if args.target else default_target()
     options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
-                                     opset=args.opset)
+                                     opset=args.opset, target=target)
     started = time.perf_counter()
     with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or None, file=sys.stderr) as bar:
         shown = [""]
@@ -98,12 +101,12 @@ def cmd_export(args: argparse.Namespace) -> None:
                                    on_total=lambda total: setattr(bar, "total", total))
     summary = {"artifact": args.out, "graphs": len(manifest["graphs"]["layers"]) + 2 * manifest["complete"],
                "bytes": sum(r["bytes"] for r in manifest["files"].values()), "kv_cache": manifest["kv_cache"]["format"],
-               "complete": manifest["complete"], "seconds": round(time.perf_counter() - started, 1)}
+               "target": manifest["target"], "complete": manifest["complete"], "seconds": round(time.perf_counter() - started, 1)}
     if args.json:
         _print_json(summary)
     else:
-        print(f"exported {summary['graphs']} graphs ({summary['bytes'] / 1e6:.1f} MB, {summary['kv_cache']} cache) "
-              f"to {args.out} in {summary['seconds']} s")
+        print(f"exported {summary['graphs']} graphs ({summary['bytes'] / 1e6:.1f} MB, {summary['kv_cache']} cache, "
+              f"target {summary['target']}) to {args.out} in {summary['seconds']} s")
 
 
 def _load_generator(args: argparse.Namespace):
@@ -225,10 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
                                         "An interrupted export resumes where it stopped.")
     export.add_argument("checkpoint", help="Hugging Face checkpoint directory")
     export.add_argument("--out", required=True, help="artifact directory to write (e.g. artifacts/kimi-k2)")
-    export.add_argument("--kv-cache", choices=["fp8", "bf16"], default="fp8",
-                        help="latent cache format the graphs read and write (default: fp8, 656 bytes/token/layer on K2)")
+    export.add_argument("--kv-cache", choices=["fp8", "int8", "bf16"],
+                        help="latent cache format the graphs read and write: fp8 (e4m3) or int8 codes with a float32 "
+                             "scale per 128 values, 656 bytes/token/layer on K2, or bf16 (1152); default: int8 for "
+                             "--target cpu, fp8 otherwise")
     export.add_argument("--layers", metavar="A:B", help="export only decoder layers A..B-1 (a partial artifact)")
     export.add_argument("--opset", type=int, default=21, help="ONNX opset (default: 21)")
+    export.add_argument("--target", choices=["cpu", "cuda", "tensorrt"],
+                        help="what to lower the weights for: cpu (int8 blocks for ONNX Runtime's CPU kernels), cuda or "
+                             "tensorrt (FP8 as in the checkpoint); default: tensorrt if installed, else cuda if ONNX "
+                             "Runtime has its CUDA provider, else cpu")
     export.add_argument("--force", action="store_true", help="discard an existing artifact or unfinished export")
     export.add_argument("--json", action="store_true", help="print a summary as JSON")
     export.set_defaults(func=cmd_export)

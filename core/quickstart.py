@@ -45,7 +45,7 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
     for cache in ("bf16", "fp8"):
         started = time.perf_counter()
         artifact = out / f"artifact-{cache}"
-        manifest = export_artifact(ExportOptions(str(checkpoint_dir), kv_cache=cache), artifact, force=True)
+        manifest = export_artifact(ExportOptions(str(checkpoint_dir), kv_cache=cache, target="cuda"), artifact, force=True)
         step(f"export ({cache} cache)", started, result=f"{len(manifest['files'])} files, "
              f"{manifest['kv_cache']['bytes_per_token_per_layer']} cache bytes/token/layer")
         started = time.perf_counter()

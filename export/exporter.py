@@ -16,7 +16,7 @@ import hashlib
 import json
 import platform
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -29,6 +29,7 @@ from ..config import ModelConfig
 from ..errors import K2Error
 from ..json_files import write_json_atomically
 from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
+from ..targets import check_target, default_target
 from .. import plugins
 from . import graph_modules as gm
 from .onnx_graph import io_spec, trace, write_graph
@@ -40,12 +41,26 @@ TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jin
 DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
 
 
+WEIGHT_FORMATS = {
+    "cpu": "dense linears, head and routed experts as int8 blocks along the input dim (uint8 codes - 128, one "
+           "float32 scale per block), re-quantised from the checkpoint's FP8 and BF16; com.microsoft MatMulNBits "
+           "and QMoE with int8 compute; norms, router, embedding and kv_b_proj as in the checkpoint",
+    "cuda": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
+    "tensorrt": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
+}
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     checkpoint: str
-    kv_cache: str = "fp8"
+    kv_cache: str | None = None  # fp8, int8 or bf16; None: the target's default (int8 on cpu, else fp8)
     layers: tuple[int, int] | None = None  # [start, stop) of decoder layers; None: the whole model
     opset: int = DEFAULT_OPSET
+    target: str = field(default_factory=default_target)  # cpu, cuda or tensorrt: see core/targets.py
+
+
+def default_cache(target: str) -> str:
+    return "int8" if target == "cpu" else "fp8"
 
 
 @dataclass(frozen=True)
@@ -57,18 +72,18 @@ class GraphJob:
 
 def cache_bytes_per_token(config: ModelConfig, cache_format: str) -> int:
     c, r = config.kv_lora_rank, config.qk_rope_head_dim
-    if cache_format == "fp8":
-        return c + 4 * (c // gm.latent_group(config)) + 2 * r
+    if cache_format in gm.SCALED_CACHE_FORMATS:
+        return c + 4 * (c // gm.latent_group(config, cache_format)) + 2 * r
     return 2 * c + 2 * r
 
 
 def cache_description(config: ModelConfig, cache_format: str) -> dict:
-    fp8 = cache_format == "fp8"
+    fp8 = cache_format in gm.SCALED_CACHE_FORMATS
     return {
         "format": cache_format,
         "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]" + (", latent_scale [t, b, c / group]" if fp8 else ""),
-        "latent_dtype": "FLOAT8E4M3FN" if fp8 else "BFLOAT16",
-        "latent_scale_group": gm.latent_group(config) if fp8 else None,
+        "latent_dtype": {"fp8": "FLOAT8E4M3FN", "int8": "INT8", "bf16": "BFLOAT16"}[cache_format],
+        "latent_scale_group": gm.latent_group(config, cache_format) if fp8 else None,
         "latent_scale_dtype": "FLOAT" if fp8 else None,
         "rope_dtype": "FLOAT16",
         "latent_dim": config.kv_lora_rank,
@@ -90,7 +105,7 @@ def _meta(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int):
+def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, target: str):
     """Traces one graph structure on the meta device: -> (ir.Model, derived initializers)."""
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=1, max=config.max_position_embeddings)
@@ -103,18 +118,19 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int):
                            ["token_ids"], ["hidden"], opset)
             return traced, {}
         if kind == "head":
-            module = gm.ExportHead(config)
+            module = gm.ExportHead(config, target)
             traced = trace(module, (_meta((b, s, config.hidden_size)),), {"hidden": {0: batch, 1: seq}},
                            ["hidden"], ["logits"], opset)
             return traced, {}
-        module = gm.ExportLayer(config, config.first_k_dense_replace if kind == "moe" else 0, cache_format).eval()
+        layer = config.first_k_dense_replace if kind == "moe" else 0
+        module = gm.ExportLayer(config, layer, cache_format, target).eval()
     args = [_meta((b, s, config.hidden_size)), _meta((b, s), torch.int64),
-            _meta((t, b, config.kv_lora_rank), torch.float8_e4m3fn if cache_format == "fp8" else torch.bfloat16),
+            _meta((t, b, config.kv_lora_rank), gm.CACHE_TORCH_DTYPES[cache_format]),
             _meta((t, b, config.qk_rope_head_dim), torch.float16)]
     names = ["hidden", "positions", "past_latent", "past_rope"]
     outputs = ["hidden_out", "new_latent", "new_rope"]
-    if cache_format == "fp8":
-        args.append(_meta((t, b, config.kv_lora_rank // gm.latent_group(config))))
+    if cache_format in gm.SCALED_CACHE_FORMATS:
+        args.append(_meta((t, b, config.kv_lora_rank // gm.latent_group(config, cache_format))))
         names.append("past_latent_scale")
         outputs.append("new_latent_scale")
     dims = {"hidden": {0: batch, 1: seq}, "positions": {0: batch, 1: seq}, "past_latent": {0: past, 1: batch},
@@ -145,8 +161,13 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                     on_progress: Callable[[int, str], None] = lambda n, what: None,
                     on_total: Callable[[int], None] = lambda n: None) -> dict:
     """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes."""
+    check_target(options.target)
+    if options.kv_cache is None:
+        options = replace(options, kv_cache=default_cache(options.target))
     if options.kv_cache not in gm.CACHE_FORMATS:
         raise K2Error(f"--kv-cache must be one of {', '.join(gm.CACHE_FORMATS)}, got {options.kv_cache!r}")
+    if options.kv_cache == "int8" and options.target != "cpu":
+        raise K2Error(f"--kv-cache int8 is the cpu target's cache; --target {options.target} keeps fp8 or bf16")
     checkpoint = Checkpoint.open(options.checkpoint)
     config = checkpoint.config
     if config.fp8_block is None:
@@ -167,12 +188,15 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         if journal.finished(job, out):
             continue
         if job.kind not in traces:
-            traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset)
+            traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target)
         model, derived = traces[job.kind]
 
         def pieces(name: str, job=job, derived=derived):
             if name in derived:
                 return [derived[name]]
+            lowered = gm.int8_pieces(config, checkpoint, job.kind, job.layer, name) if options.target == "cpu" else None
+            if lowered is not None:
+                return lowered
             return (chunk for source in gm.initializer_sources(config, job.kind, job.layer, name)
                     for chunk in checkpoint.stream(source))
 
@@ -250,7 +274,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
     missing_io = [stem for stem, entry in described.items() if "inputs" not in entry]
     for stem in missing_io:  # resumed graphs: their structure's signature is the same as a traced one's
         kind = next(j.kind for j in jobs if j.stem == stem)
-        model = trace_kind(config, kind, options.kv_cache, options.opset)[0]
+        model = trace_kind(config, kind, options.kv_cache, options.opset, options.target)[0]
         described[stem].update(inputs=io_spec(model.graph.inputs), outputs=io_spec(model.graph.outputs))
     start, stop = options.layers or (0, config.num_hidden_layers)
     return {
@@ -261,6 +285,8 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "model_config": config.to_dict(),
         "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint))},
         "kv_cache": cache_description(config, options.kv_cache),
+        "target": options.target,
+        "weights": WEIGHT_FORMATS[options.target],
         "opset": options.opset,
         "custom_ops": {"domain": plugins.DOMAIN, "version": plugins.VERSION,
                        "ops": [f.name for f in plugins.onnx_functions(config)],

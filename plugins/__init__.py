@@ -8,12 +8,14 @@ import onnx
 import torch
 
 from ..config import ModelConfig
+from .int8 import linear_int8, linear_int8_onnx, moe_experts_int8, moe_experts_int8_onnx
 from .experts import moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_onnx, moe_experts_up_function
-from .mla import mla_attention, mla_attention_function, mla_attention_onnx
+from .mla import (mla_attention, mla_attention_function, mla_attention_int8_cache, mla_attention_int8_cache_function,
+                  mla_attention_int8_cache_onnx, mla_attention_onnx)
 from .onnx_domain import DOMAIN, VERSION
 from .routing import moe_route, moe_route_function, moe_route_onnx
 
-__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "onnx_functions", "split_functions",
+__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "mla_attention_int8_cache", "linear_int8", "moe_experts_int8", "onnx_functions", "split_functions",
            "translation_table"]
 
 
@@ -23,6 +25,9 @@ def translation_table() -> dict:
         torch.ops.k2deploy.moe_route.default: moe_route_onnx,
         torch.ops.k2deploy.moe_experts.default: moe_experts_onnx,
         torch.ops.k2deploy.mla_attention.default: mla_attention_onnx,
+        torch.ops.k2deploy.mla_attention_int8_cache.default: mla_attention_int8_cache_onnx,
+        torch.ops.k2deploy.linear_int8.default: linear_int8_onnx,
+        torch.ops.k2deploy.moe_experts_int8.default: moe_experts_int8_onnx,
     }
 
 
@@ -39,6 +44,8 @@ def onnx_functions(config: ModelConfig) -> list[onnx.FunctionProto]:
         moe_experts_function(config.n_routed_experts, config.moe_intermediate_size, config.hidden_size, block),
         mla_attention_function(config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
                                config.softmax_scale),
+        mla_attention_int8_cache_function(config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim,
+                                          config.softmax_scale),
     ]
 
 

@@ -73,7 +73,7 @@ class FunctionSpec:
     outputs: list[str]
     attributes: list[str]
 
-    def function(self, body: Body) -> onnx.FunctionProto:
+    def function(self, body: Body, extra_opsets: list | None = None) -> onnx.FunctionProto:
         return helper.make_function(DOMAIN, self.name, self.inputs, self.outputs, body.nodes,
-                                    opset_imports=[helper.make_opsetid("", BODY_OPSET)],
+                                    opset_imports=[helper.make_opsetid("", BODY_OPSET), *(extra_opsets or [])],
                                     attributes=self.attributes)

@@ -7,6 +7,7 @@ sessions read it in place through zero-copy OrtValues, without copying the cache
 fp8:  latent e4m3 bits [L, T, B, c] uint8, latent_scale [L, T, B, c / group] float32 (one scale
       per group of 128 latent values), rope [L, T, B, r] float16 -> 656 bytes per token per
       layer at Kimi K2's c = 512, r = 64.
+int8: as fp8 with the latent as int8 codes [L, T, B, c] int8 (the cpu target's cache) -> 656 bytes.
 bf16: latent bits [L, T, B, c] uint16, rope [L, T, B, r] float16 -> 1152 bytes.
 """
 
@@ -23,7 +24,9 @@ if TYPE_CHECKING:
     from .cache_rows import CacheRows
 
 # ONNX TensorProto element types (onnx itself is not needed at run time)
-BFLOAT16, FLOAT8E4M3FN = 16, 17
+INT8, BFLOAT16, FLOAT8E4M3FN = 3, 16, 17
+# format -> (latent storage dtype, ONNX element type of the graph's latent input, has per-group scales)
+FORMATS = {"fp8": (np.uint8, FLOAT8E4M3FN, True), "int8": (np.int8, INT8, True), "bf16": (np.uint16, BFLOAT16, False)}
 
 
 class LatentCache:
@@ -31,12 +34,13 @@ class LatentCache:
         self.format = kv_cache["format"]
         self.max_len = max_len
         c, r = kv_cache["latent_dim"], kv_cache["rope_dim"]
-        fp8 = self.format == "fp8"
-        self.latent_type = FLOAT8E4M3FN if fp8 else BFLOAT16
-        self.latent = np.zeros((layers, max_len, batch, c), dtype=np.uint8 if fp8 else np.uint16)
+        if self.format not in FORMATS:
+            raise K2Error(f"unknown latent cache format {self.format!r}; this runtime reads {', '.join(FORMATS)}")
+        storage, self.latent_type, scaled = FORMATS[self.format]
+        self.latent = np.zeros((layers, max_len, batch, c), dtype=storage)
         self.rope = np.zeros((layers, max_len, batch, r), dtype=np.float16)
         self.latent_scale = (np.zeros((layers, max_len, batch, c // kv_cache["latent_scale_group"]), dtype=np.float32)
-                             if fp8 else None)
+                             if scaled else None)
         self.lengths = np.zeros(batch, dtype=np.int64)  # tokens held per row
 
     @property

@@ -43,7 +43,7 @@ def tiny_artifacts(tiny_checkpoint, tmp_path_factory):
     from k2deploy.export.exporter import ExportOptions, export_artifact
 
     root = tmp_path_factory.mktemp("artifacts")
-    return {cache: export_artifact(ExportOptions(str(tiny_checkpoint), kv_cache=cache), root / cache) and root / cache
+    return {cache: export_artifact(ExportOptions(str(tiny_checkpoint), kv_cache=cache, target="cuda"), root / cache) and root / cache
             for cache in ("fp8", "bf16")}
 
 

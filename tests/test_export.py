@@ -128,10 +128,11 @@ def test_kimi_k2_attention_dimensions_cache_at_656_bytes(tmp_path):
                    "--set", "n_routed_experts=8", "--set", "hidden_size=256", "--set", "vocab_size=1024",
                    "--set", "bos_token_id=768", "--set", "eos_token_id=769", "--json")
     assert made.returncode == 0, made.stderr
-    out = tmp_path / "art"
-    exported = run_cli("export", checkpoint, "--out", out, "--layers", "1:2", "--json")
-    assert exported.returncode == 0, exported.stderr
-    info = json.loads(run_cli("inspect", out, "--json").stdout)
-    assert info["kv_cache_bytes_per_token_per_layer"] == 656 and not info["complete"]
-    refused = run_cli("generate", out, "--prompt-ids", "1,2")
-    assert refused.returncode == 2 and "holds only layers 1:2" in refused.stderr
+    for target, cache, figure in (("cuda", "fp8", 656), ("cpu", "int8", 512 + 4 + 128)):  # int8: one scale per token
+        out = tmp_path / f"art-{cache}"
+        exported = run_cli("export", checkpoint, "--out", out, "--layers", "1:2", "--target", target, "--json")
+        assert exported.returncode == 0, exported.stderr
+        info = json.loads(run_cli("inspect", out, "--json").stdout)
+        assert info["kv_cache_bytes_per_token_per_layer"] == figure and not info["complete"]
+        refused = run_cli("generate", out, "--prompt-ids", "1,2")
+        assert refused.returncode == 2 and "holds only layers 1:2" in refused.stderr

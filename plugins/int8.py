@@ -1,0 +1,144 @@
+"""The cpu lowering's ops: FP8 (or BF16) weights re-quantised to int8 blocks along the input dim.
+
+ONNX Runtime's CPU provider has no FP8 matrix kernel; it has int8 ones that read one byte per
+weight and multiply with int8 activations (VNNI dot products): `com.microsoft.MatMulNBits`
+(bits 8) for a linear and `com.microsoft.QMoE` (8-bit experts) for the routed experts. The cpu
+target stores each weight in their format: a row's input dim cut into blocks of `block`
+values, each block one float32 scale (absmax / 127) and codes q + 128 as uint8, so that
+W[r, c] = (code - 128) * scale[r, c // block]. Every int8 block lies inside one 128x128 FP8
+block. The error this adds is stated and tested (tests/test_cpu_lowering.py).
+
+Each op here has the faces of the other plugins: the eager code (torch), the torch.library op
+that torch.export traces, and its ONNX lowering, here to ONNX Runtime's own contrib ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from onnx.defs import OpSchema
+from onnxscript.values import Op, Opset
+
+from .fp8 import E4M3_VALUES
+
+ZERO_POINT = 128  # MatMulNBits' and QMoE's default 8-bit zero point
+BLOCKS = (128, 64, 32, 16)  # int8 block sizes the contrib ops take, largest (fastest) first
+ORT_DOMAIN = "com.microsoft"
+INT8_COMPUTE = 4  # accuracy_level: int8 activations, int8 dot-product kernels
+
+
+def int8_block(*dims: int) -> int | None:
+    """The largest int8 block that divides every dim (QMoE needs whole blocks), or None."""
+    return next((b for b in BLOCKS if all(d % b == 0 for d in dims)), None)
+
+
+# -- re-quantisation (numpy; the exporter streams it into the artifact) ----------------------
+
+def fp8_to_float(bits: np.ndarray, scale: np.ndarray, fp8_block: int) -> np.ndarray:
+    """e4m3 bits [rows, cols] uint8 and block scales [ceil(rows/b), ceil(cols/b)] -> float32 [rows, cols]."""
+    rows, cols = bits.shape
+    values = E4M3_VALUES[bits]
+    return values * np.repeat(np.repeat(scale, fp8_block, 0)[:rows], fp8_block, 1)[:, :cols]
+
+
+def quantize_rows(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [rows, cols] -> codes [rows, cols / block, block] uint8 and scales [rows, cols / block] float32."""
+    rows, cols = weight.shape
+    blocks = weight.reshape(rows, cols // block, block)
+    scales = np.abs(blocks).max(axis=-1) / 127.0
+    safe = np.where(scales > 0, scales, 1.0)
+    codes = np.clip(np.rint(blocks / safe[..., None]), -127, 127) + ZERO_POINT
+    return codes.astype(np.uint8), scales.astype(np.float32)
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., rows, cols / block, block] uint8, scales [..., rows, cols / block] -> float32 [..., rows, cols]."""
+    values = (codes.to(torch.float32) - ZERO_POINT) * scales.unsqueeze(-1)
+    return values.flatten(-2)
+
+
+# -- torch ops: what torch.export sees ----------------------------------------------------------
+
+@torch.library.custom_op("k2deploy::linear_int8", mutates_args=())
+def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [..., k], codes [n, k / block, block], scales [n, k / block] -> [..., n] float32."""
+    return F.linear(x.float(), dequantize_rows(codes, scales))
+
+
+@linear_int8.register_fake
+def _(x, codes, scales):
+    return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("k2deploy::moe_experts_int8", mutates_args=())
+def moe_experts_int8(x: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor, fc1_codes: torch.Tensor,
+                     fc1_scales: torch.Tensor, fc2_codes: torch.Tensor, fc2_scales: torch.Tensor) -> torch.Tensor:
+    """x [n, m], expert_ids / route_weights [n, k]; fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f]
+    as codes uint8 with scales [e, rows, cols / block] -> [n, m] float32: each token's chosen experts' SwiGLU,
+    weighted by its route weights and summed."""
+    e, rows, m = fc1_codes.shape
+    block = m // fc1_scales.shape[-1]  # one block size for both (QMoE's block_size)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for expert in expert_ids.unique().tolist():
+        tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
+        fc1 = dequantize_rows(fc1_codes[expert].view(rows, -1, block), fc1_scales[expert])  # [2f, m]
+        fc2 = dequantize_rows(fc2_codes[expert].view(m, -1, block), fc2_scales[expert])  # [m, f]
+        both = x[tokens].float() @ fc1.T  # [n_e, 2f]: gate, up, gate, up, ...
+        hidden = F.silu(both[:, 0::2]) * both[:, 1::2]
+        out.index_add_(0, tokens, (hidden @ fc2.T) * route_weights[tokens, slots, None])
+    return out
+
+
+@moe_experts_int8.register_fake
+def _(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales):
+    return torch.empty_like(x, dtype=torch.float32)
+
+
+# -- ONNX: ONNX Runtime's contrib ops -------------------------------------------------------------
+
+def _contrib_op(name: str, inputs: list[str], attributes: dict[str, OpSchema.AttrType]) -> Op:
+    """An onnxscript op that emits one com.microsoft node (the schema only shapes the call)."""
+    parameter = OpSchema.FormalParameter
+    types = ["tensor(float)", "tensor(uint8)", "tensor(int64)"]
+    schema = OpSchema(name, ORT_DOMAIN, 1,
+                      inputs=[parameter(n, f"T{i}", param_option=OpSchema.FormalParameterOption.Optional)
+                              for i, n in enumerate(inputs)],
+                      outputs=[parameter("Y", "U")],
+                      type_constraints=[(f"T{i}", types, "") for i in range(len(inputs))] + [("U", types, "")],
+                      attributes=[OpSchema.Attribute(n, t) for n, t in attributes.items()])
+    return Op(Opset(ORT_DOMAIN, 1), name, schema)
+
+
+_INT, _FLOAT, _STRING = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT, OpSchema.AttrType.STRING
+_matmul_nbits = _contrib_op("MatMulNBits", ["A", "B", "scales"],
+                            {"K": _INT, "N": _INT, "bits": _INT, "block_size": _INT, "accuracy_level": _INT})
+QMOE_INPUTS = ["input", "router_probs", "fc1_experts_weights", "fc1_scales", "fc1_experts_bias", "fc2_experts_weights",
+               "fc2_scales", "fc2_experts_bias", "fc3_experts_weights", "fc3_scales", "fc3_experts_bias",
+               "fc1_zero_points", "fc2_zero_points", "fc3_zero_points", "router_weights"]
+_qmoe = _contrib_op("QMoE", QMOE_INPUTS,
+                    {"k": _INT, "activation_type": _STRING, "activation_alpha": _FLOAT, "activation_beta": _FLOAT,
+                     "normalize_routing_weights": _INT, "swiglu_fusion": _INT, "expert_weight_bits": _INT,
+                     "block_size": _INT, "accuracy_level": _INT, "quant_type": _STRING})
+
+
+def linear_int8_onnx(x, codes, scales):
+    n, k_blocks, block = codes.shape
+    return _matmul_nbits(x, codes, scales, K=k_blocks * block, N=n, bits=8, block_size=block,
+                         accuracy_level=INT8_COMPUTE)
+
+
+def moe_experts_int8_onnx(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales):
+    """QMoE chooses top-k of router_probs and mixes with router_weights: both are the routing's own choice,
+    scattered to [n, e] (ones on the chosen experts, and their route weights)."""
+    from onnxscript import opset21 as op
+
+    e, _, m = fc1_codes.shape
+    k = expert_ids.shape[-1]
+    zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[e]), axis=0))
+    chosen = op.ScatterElements(zeros, expert_ids, op.Expand(op.Constant(value_float=1.0), op.Shape(expert_ids)), axis=1)
+    mixing = op.ScatterElements(zeros, expert_ids, route_weights, axis=1)
+    return _qmoe(x, chosen, fc1_codes, fc1_scales, None, fc2_codes, fc2_scales, None, None, None, None, None, None,
+                 None, mixing, k=k, activation_type="swiglu", activation_alpha=1.0, activation_beta=0.0,
+                 normalize_routing_weights=0, swiglu_fusion=1, expert_weight_bits=8,
+                 block_size=m // fc1_scales.shape[-1], accuracy_level=INT8_COMPUTE, quant_type="int")
