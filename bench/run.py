@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import K2Error
+from ..targets import artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
                        unavailable)
@@ -332,6 +333,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
             "num_experts_per_tok": config.num_experts_per_tok,
             "vocab_size": config.vocab_size,
             "kv_cache": manifest.kv_cache["format"],
+            "target": artifact_target(manifest.data),
             "checkpoint": (manifest.data.get("checkpoint") or {}).get("path"),
         },
         "settings": {"batches": list(options.batches), "prompt_lens": list(options.prompt_lens),

@@ -75,8 +75,6 @@ import numpy as np
 
 from k2deploy.bench.device import cpu_model
 
-FP8_ONNX_TYPE = 17  # TensorProto.FLOAT8E4M3FN
-
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -103,7 +101,7 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: li
     from k2deploy.checkpoint.synthetic import write_checkpoint
 
     config = preset_config(preset, layers=layers, overrides=overrides)
-    name = f"{preset}-L{config.num_hidden_layers}-e{config.n_routed_experts}-seed{seed}"
+    name = f"{preset}-L{config.num_hidden_layers}-e{config.n_routed_experts}-h{config.num_attention_heads}-seed{seed}"
     path = work / "checkpoints" / name
     if path.exists():
         try:
@@ -121,12 +119,13 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: li
     return path, config
 
 
-def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int] | None) -> Path:
-    from k2deploy.export.exporter import ExportOptions, export_artifact
+def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int] | None, target: str) -> Path:
+    from k2deploy.export.exporter import ExportOptions, default_cache, export_artifact
     from k2deploy.manifest import MANIFEST_FILE
 
+    cache = default_cache(target)
     suffix = "" if layers is None else f"-layers{layers[0]}_{layers[1]}"
-    out = work / "artifacts" / f"{checkpoint.name}-fp8{suffix}"
+    out = work / "artifacts" / f"{checkpoint.name}-{target}-{cache}{suffix}"
     manifest = out / MANIFEST_FILE
     if manifest.exists():
         data = json.loads(manifest.read_text())
@@ -135,14 +134,14 @@ def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int
         same_weights = (index.exists() and (data.get("checkpoint") or {}).get("index_sha256")
                         == hashlib.sha256(index.read_bytes()).hexdigest())
         if (same_weights and data.get("model_config") == config.to_dict()
-                and data.get("kv_cache", {}).get("format") == "fp8"
+                and data.get("kv_cache", {}).get("format") == cache and data.get("target") == target
                 and data.get("graphs", {}).get("layer_range") == expected_range):
             log(f"reusing artifact {out}")
             return out
         log(f"{out} does not match; exporting again")
     log(f"exporting {checkpoint.name} (layers {layers or 'all'}) to {out}")
     started = time.perf_counter()
-    export_artifact(ExportOptions(str(checkpoint), kv_cache="fp8", layers=layers), out, force=True)
+    export_artifact(ExportOptions(str(checkpoint), kv_cache=cache, layers=layers, target=target), out, force=True)
     log(f"  exported in {time.perf_counter() - started:.1f} s")
     return out
 
@@ -321,45 +320,38 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
 
 
 class LayerGraph:
-    """One exported decoder layer, run alone at batch 1 with a random FP8 cache of `context` tokens."""
+    """One exported decoder layer, run alone at batch 1 over a random latent cache of `context` tokens in the
+    artifact's cache format, bound the way the runtime binds it."""
 
-    def __init__(self, onnx_path: Path, config, context: int, threads: int, seed: int):
-        import ml_dtypes
+    def __init__(self, onnx_path: Path, kv_cache: dict, context: int, threads: int, seed: int):
         import onnxruntime as ort
 
-        from k2deploy.export.graph_modules import latent_group
+        from k2deploy.runtime.kv_cache import LatentCache
         from k2deploy.runtime.ort_backend import session_options
 
         self.ort = ort
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(seed)
-        c, r, m = config.kv_lora_rank, config.qk_rope_head_dim, config.hidden_size
-        groups = c // latent_group(config)
-        # e4m3 codes of normal values spread over the format's range, as the cache's quantiser writes them
-        self.latent = (rng.standard_normal((context, 1, c)) * 100).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
-        self.rope = rng.standard_normal((context, 1, r)).astype(np.float16)
-        self.scale = np.full((context, 1, groups), 1 / 100, dtype=np.float32)
+        self.cache = LatentCache(kv_cache, 1, 1, context + 1)
+        codes = rng.integers(-100, 100, self.cache.latent.shape) if self.cache.format == "int8" else \
+            rng.integers(0, 1 << (8 * self.cache.latent.itemsize), self.cache.latent.shape) & 0x3F3F
+        self.cache.latent[:] = codes.astype(self.cache.latent.dtype)  # finite codes of every format
+        self.cache.rope[:] = rng.standard_normal(self.cache.rope.shape).astype(np.float16)
+        if self.cache.latent_scale is not None:
+            self.cache.latent_scale[:] = 1 / 100
+        self.context = context
         self.positions = np.array([[context]], dtype=np.int64)
-        self.outputs = {
-            "hidden_out": np.empty((1, 1, m), dtype=np.float32),
-            "new_latent": np.empty((1, 1, c), dtype=np.uint8),
-            "new_rope": np.empty((1, 1, r), dtype=np.float16),
-            "new_latent_scale": np.empty((1, 1, groups), dtype=np.float32),
-        }
 
     def step(self, hidden: np.ndarray) -> float:
-        ort = self.ort
         started = time.perf_counter()
         binding = self.session.io_binding()
         binding.bind_cpu_input("hidden", hidden)
         binding.bind_cpu_input("positions", self.positions)
-        binding.bind_ortvalue_input("past_latent", ort.OrtValue.ortvalue_from_numpy_with_onnx_type(self.latent, FP8_ONNX_TYPE))
-        binding.bind_ortvalue_input("past_rope", ort.OrtValue.ortvalue_from_numpy(self.rope))
-        binding.bind_ortvalue_input("past_latent_scale", ort.OrtValue.ortvalue_from_numpy(self.scale))
-        for name, array in self.outputs.items():
-            value = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, FP8_ONNX_TYPE) if name == "new_latent"
-                     else ort.OrtValue.ortvalue_from_numpy(array))
-            binding.bind_ortvalue_output(name, value)
+        for name, value in self.cache.past_inputs(0, self.context).items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output("hidden_out", self.ort.OrtValue.ortvalue_from_numpy(np.empty_like(hidden)))
+        for name, array in self.cache.new_entry_buffers(1, 1).items():
+            binding.bind_ortvalue_output(name, self.cache.ortvalue(name, array))
         self.session.run_with_iobinding(binding)
         return time.perf_counter() - started
 
@@ -371,7 +363,8 @@ def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
     runners = {}
     for label, (path, config) in graphs.items():
         started = time.perf_counter()
-        runners[label] = LayerGraph(path, config, args.moe_context, args.threads, args.seed)
+        kv_cache = json.loads((path.parents[1] / "manifest.json").read_text())["kv_cache"]
+        runners[label] = LayerGraph(path, kv_cache, args.moe_context, args.threads, args.seed)
         log(f"  session for {label} experts loaded in {time.perf_counter() - started:.1f} s")
     labels = list(runners)
     times = {label: [] for label in labels}
@@ -404,6 +397,59 @@ def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
     del runners
     gc.collect()
     return result
+
+
+# -- the bandwidth bound and the runtime's memory ----------------------------------------------------------
+
+
+def bandwidth_bound(config, artifact: Path, contexts: list[int], model: dict) -> dict:
+    """Bytes one decode step must read (k2deploy.bench.bound: FP8 at one byte per weight, BF16 head and
+    embedding at two, the cache at the artifact's bytes per token) over the copy bandwidth measured now."""
+    from k2deploy.bench import bandwidth
+    from k2deploy.bench.bound import decode_step_bytes
+
+    log("measuring the memory bandwidth (numpy copy, child process)")
+    gbps = statistics.median(bandwidth.measure_in_child())
+    per_token_layer = json.loads((artifact / "manifest.json").read_text())["kv_cache"]["bytes_per_token_per_layer"]
+    rows = {}
+    for context in contexts:
+        step = decode_step_bytes(config, per_token_layer, 1, context)
+        bound_ms = step["total"] / (gbps * 1e9) * 1e3
+        ours = (model.get(context) or model.get(str(context)) or {}).get("decode", {}).get("ours", {})
+        rows[context] = {"bytes": step["total"], "bound_ms": bound_ms,
+                         "ours/bound": ours["median_ms"] / bound_ms if ours else None}
+    return {"bandwidth_gbps": gbps, "method": bandwidth.METHOD, "contexts": rows}
+
+
+def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tokens: int = 32) -> dict:
+    """Peak resident memory of `k2deploy generate` on the artifact in a child process (what /usr/bin/time -v
+    reports as its maximum resident set), against 1.3 x (weight bytes + cache bytes) + 200 MB."""
+    import subprocess
+    import tempfile
+
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.kv_cache import LatentCache
+
+    manifest = load_manifest(artifact, verify_hashes=False)
+    weights = sum(r["bytes"] for f, r in manifest.data["files"].items() if f.endswith(".data"))
+    cache = LatentCache(manifest.kv_cache, manifest.config.num_hidden_layers, 1, prompt_len + new_tokens).nbytes
+    prompt = ",".join(str(i % 1000 + 1) for i in range(prompt_len))
+    command = [sys.executable, "-m", "k2deploy", "generate",
+               str(artifact), "--prompt-ids", prompt, "--max-new-tokens", str(new_tokens), "--threads", str(threads),
+               "--json"]
+    with tempfile.TemporaryFile() as errors:
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(child.pid, 0)  # this child's own rusage: its maximum resident set
+        child.returncode = os.waitstatus_to_exitcode(status)
+        errors.seek(0)
+        message = errors.read().decode(errors="replace").strip()
+    if child.returncode != 0:
+        return {"error": message.splitlines()[-1] if message else f"exit {child.returncode}"}
+    peak = usage.ru_maxrss * 1024
+    bound = 1.3 * (weights + cache) + 200e6
+    return {"command": f"k2deploy generate ART --prompt-ids <{prompt_len} ids> --max-new-tokens {new_tokens} "
+                       f"--threads {threads}", "peak_rss_bytes": peak, "weight_bytes": weights, "cache_bytes": cache,
+            "bound_bytes": bound, "within_bound": peak <= bound}
 
 
 # -- output ----------------------------------------------------------------------------------------------
@@ -467,6 +513,21 @@ def print_table(report: dict) -> None:
                   f"{ratio['decode_ms_ratio']:.2f}x the decode time "
                   f"(paired per-step median {ratio['decode_ms_ratio_paired_median']:.2f}x, "
                   f"p10 {ratio['decode_p10_ratio']:.2f}x)")
+    bound = report.get("bound")
+    if bound:
+        print()
+        print(f"bandwidth bound: {bound['bandwidth_gbps']:.1f} GB/s measured ({bound['method']})")
+        for context, row in bound["contexts"].items():
+            ratio = f", ours {row['ours/bound']:.2f}x the bound" if row["ours/bound"] else ""
+            print(f"  T={context}: {row['bytes'] / 1e6:.1f} MB per decode step -> {row['bound_ms']:.2f} ms{ratio}")
+    memory = report.get("generate_memory")
+    if memory:
+        if "error" in memory:
+            print(f"generate memory: failed ({memory['error']})")
+        else:
+            print(f"peak RSS of `{memory['command']}`: {memory['peak_rss_bytes'] / 1e6:.0f} MB; bound 1.3 x (weights "
+                  f"{memory['weight_bytes'] / 1e6:.0f} MB + cache {memory['cache_bytes'] / 1e6:.1f} MB) + 200 MB = "
+                  f"{memory['bound_bytes'] / 1e6:.0f} MB ({'within' if memory['within_bound'] else 'OVER'})")
     print()
     print(f"wall time {report['wall_seconds']:.0f} s (build {report['build_seconds']:.0f} s), "
           f"peak RSS {report['peak_rss_mb']:.0f} MB")
@@ -487,6 +548,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--preset", default="small", help="checkpoint preset (default: small)")
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers of the Part 1 model (default: the preset's, 4 for small: 1 dense + 3 MoE)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for the Part 1 model, e.g. --set num_attention_heads=16 (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="checkpoint weights and prompt seed (default 0)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/k2deploy-bench"),
                         help="where checkpoints and artifacts are written and reused (default /tmp/k2deploy-bench)")
@@ -511,6 +574,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--moe-steps", type=int, default=60, help="timed steps per Part 2 graph (default 60)")
     parser.add_argument("--moe-warmup", type=int, default=5, help="untimed steps per Part 2 graph first (default 5)")
     parser.add_argument("--skip-model", action="store_true", help="skip Part 1 (the whole-model comparison)")
+    parser.add_argument("--target", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+                        help="the lowering of `ours` (default cpu: int8 weights and cache; cuda: the exact FP8 graph)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = parser.parse_args(argv)
     args.context_list = [int(x) for x in args.contexts.split(",") if x.strip()]
@@ -543,15 +608,15 @@ def main(argv=None) -> int:
     want_hf = have_hf and not args.no_hf and not args.skip_model
 
     args.work.mkdir(parents=True, exist_ok=True)
-    config = preset_config(args.preset, layers=args.layers)
+    config = preset_config(args.preset, layers=args.layers, overrides=args.set)
     for context in args.context_list:
         if context + 1 > config.max_position_embeddings:
             raise SystemExit(f"context {context} exceeds the model's {config.max_position_embeddings} positions")
     # build (or reuse) everything first
     model_ckpt = model_art = None
     if not args.skip_model or args.moe_experts:
-        model_ckpt, config = ensure_checkpoint(args.work, args.preset, args.layers, [], args.seed)
-        model_art = ensure_artifact(args.work, model_ckpt, config, None)
+        model_ckpt, config = ensure_checkpoint(args.work, args.preset, args.layers, args.set, args.seed)
+        model_art = ensure_artifact(args.work, model_ckpt, config, None, args.target)
     moe_graphs = {}
     if args.moe_experts:
         if config.num_hidden_layers < 2 or not config.is_moe_layer(1):
@@ -561,7 +626,7 @@ def main(argv=None) -> int:
                 moe_graphs[str(experts)] = (model_art / "graphs" / "layer_001.onnx", config)
                 continue
             ckpt, moe_config = ensure_checkpoint(args.work, args.preset, 2, [f"n_routed_experts={experts}"], args.seed)
-            art = ensure_artifact(args.work, ckpt, moe_config, (1, 2))
+            art = ensure_artifact(args.work, ckpt, moe_config, (1, 2), args.target)
             moe_graphs[str(experts)] = (art / "graphs" / "layer_001.onnx", moe_config)
         if str(config.n_routed_experts) not in moe_graphs:  # the preset's own MoE layer, a third point
             moe_graphs[str(config.n_routed_experts)] = (model_art / "graphs" / "layer_001.onnx", config)
@@ -571,9 +636,9 @@ def main(argv=None) -> int:
     report = {
         "setup": {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "preset": args.preset, "layers": config.num_hidden_layers, "n_routed_experts": config.n_routed_experts,
+            "preset": args.preset, "overrides": args.set, "layers": config.num_hidden_layers, "n_routed_experts": config.n_routed_experts,
             "num_experts_per_tok": config.num_experts_per_tok, "hidden_size": config.hidden_size,
-            "vocab_size": config.vocab_size, "kv_cache": "fp8", "batch": 1, "threads": args.threads,
+            "vocab_size": config.vocab_size, "target": args.target, "batch": 1, "threads": args.threads,
             "contexts": args.context_list, "steps": args.steps, "warmup": args.warmup,
             "prefill_repeats": args.prefill_repeats, "prefill_warmup": args.prefill_warmup,
             "prefill_budget_s": args.prefill_budget,
@@ -612,6 +677,10 @@ def main(argv=None) -> int:
         report["model"] = bench_model(backends, args.context_list, config.vocab_size, args)
         del backends
         gc.collect()
+
+    if not args.skip_model:
+        report["generate_memory"] = generate_memory(model_art, args.threads)
+        report["bound"] = bandwidth_bound(config, model_art, args.context_list, report.get("model", {}))
 
     report["build_seconds"] = build_seconds
     report["wall_seconds"] = time.perf_counter() - started

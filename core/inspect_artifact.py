@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .manifest import Manifest
+from .targets import artifact_target
 
 
 def describe_artifact(manifest: Manifest) -> dict:
@@ -24,6 +25,8 @@ def describe_artifact(manifest: Manifest) -> dict:
             "layer_inputs": layers[0]["inputs"] if layers else [],
             "layer_outputs": layers[0]["outputs"] if layers else [],
         },
+        "target": artifact_target(data),
+        "weights": data.get("weights"),
         "kv_cache": kv,
         "kv_cache_bytes_per_token_per_layer": kv["bytes_per_token_per_layer"],
         "kv_cache_bytes_per_token": kv["bytes_per_token_per_layer"] * len(layers),
@@ -48,6 +51,7 @@ def format_artifact(info: dict) -> str:
         f"layers      {info['layers'][0]}:{info['layers'][1]}  "
         + ", ".join(f"{n} {kind}" for kind, n in structures.items())
         + ("" if info["complete"] else "  (no embedding or head: cannot run alone)"),
+        f"target      {info['target']}" + (f": {info['weights']}" if info["weights"] else ""),
         f"kv cache    {kv['format']}: {kv['bytes_per_token_per_layer']} bytes per token per layer, "
         f"{info['kv_cache_bytes_per_token']:,} per token ({kv['layout']})",
         f"layer in    {layer_inputs}",

@@ -13,6 +13,7 @@ import onnxruntime as ort
 
 from ..errors import K2Error
 from ..manifest import Manifest
+from ..targets import artifact_target, check_runnable
 from .kv_cache import LatentCache
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
@@ -47,6 +48,7 @@ class OrtModel:
         self.manifest = manifest
         self.config = manifest.config
         self.kv_cache = manifest.kv_cache
+        check_runnable(artifact_target(manifest.data), "onnxruntime", provider)
         providers = resolve_provider(provider)
         options = session_options(threads)
 

@@ -54,3 +54,14 @@ def tiny_reference(tiny_checkpoint):
     from k2deploy.export.weights import load_transformer
 
     return load_transformer(Checkpoint.open(tiny_checkpoint))
+
+
+@pytest.fixture(scope="session")
+def tiny_cpu_artifact(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint exported for --target cpu (int8 weights, int8 latent cache)."""
+    pytest.importorskip("torch")
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "cpu"
+    export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu"), out)
+    return out

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from ...errors import K2Error
+from ...targets import artifact_target, check_runnable
 from .environment import require_tensorrt
 
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -17,6 +18,7 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
 
         return OrtModel(manifest, provider=provider, threads=threads)
     if name == "tensorrt":
+        check_runnable(artifact_target(manifest.data), "tensorrt")
         require_tensorrt()
         from .backend import TrtModel
 
