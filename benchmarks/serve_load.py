@@ -2,8 +2,9 @@
 
     . .venv/bin/activate && python benchmarks/serve_load.py [--artifact ART] [--json]
 
-Without --artifact it makes the `small` preset's checkpoint and FP8 artifact under --work (with
-`k2deploy make-checkpoint` and `k2deploy export`; reused when present). It starts the server
+Without --artifact it makes the `small` preset's checkpoint and an artifact for this machine's
+default target under --work (with `k2deploy make-checkpoint` and `k2deploy export`; reused when
+present). It starts the server
 (`python -m k2deploy.runtime.serve ART --port 0 --max-batch 16`), warms it up, then for each
 concurrency c (default 1, 4, 16) sends max(c, --requests) streaming completions, c at a time:
 each client sends its share back to back. Every request has its own random prompt of
@@ -47,13 +48,13 @@ def k2deploy(*args: str) -> None:
 
 
 def ensure_artifact(work: Path, preset: str) -> Path:
-    checkpoint, artifact = work / "checkpoints" / preset, work / "artifacts" / f"{preset}-fp8"
+    checkpoint, artifact = work / "checkpoints" / preset, work / "artifacts" / f"{preset}-default-target"
     if not (artifact / "manifest.json").exists():
         if not (checkpoint / "config.json").exists():
             log(f"writing the {preset} checkpoint to {checkpoint}")
             k2deploy("make-checkpoint", str(checkpoint), "--preset", preset, "--force")
         log(f"exporting it to {artifact}")
-        k2deploy("export", str(checkpoint), "--out", str(artifact), "--kv-cache", "fp8", "--force")
+        k2deploy("export", str(checkpoint), "--out", str(artifact), "--force")
     return artifact
 
 
