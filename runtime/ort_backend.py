@@ -16,6 +16,9 @@ from ..manifest import Manifest
 from ..targets import artifact_target, check_runnable
 from .kv_cache import LatentCache
 
+# ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
+# slower per layer than the plain MatMul after the transpose (benchmarks/decode_latency.py, small preset)
+DISABLED_OPTIMIZERS = ["MatmulTransposeFusion"]
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
@@ -53,7 +56,8 @@ class OrtModel:
         options = session_options(threads)
 
         def load(entry: dict) -> ort.InferenceSession:
-            return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers)
+            return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers,
+                                        disabled_optimizers=DISABLED_OPTIMIZERS)
 
         self.embed_session = load(manifest.graphs["embed"])
         self.layer_sessions = [load(entry) for entry in manifest.graphs["layers"]]
