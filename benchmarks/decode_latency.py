@@ -333,7 +333,7 @@ class LayerGraph:
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(seed)
         self.cache = LatentCache(kv_cache, 1, 1, context + 1)
-        codes = rng.integers(-100, 100, self.cache.latent.shape) if self.cache.format == "int8" else \
+        codes = rng.integers(28, 228, self.cache.latent.shape) if self.cache.format == "int8" else \
             rng.integers(0, 1 << (8 * self.cache.latent.itemsize), self.cache.latent.shape) & 0x3F3F
         self.cache.latent[:] = codes.astype(self.cache.latent.dtype)  # finite codes of every format
         self.cache.rope[:] = rng.standard_normal(self.cache.rope.shape).astype(np.float16)

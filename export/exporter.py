@@ -82,7 +82,8 @@ def cache_description(config: ModelConfig, cache_format: str) -> dict:
     return {
         "format": cache_format,
         "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]" + (", latent_scale [t, b, c / group]" if fp8 else ""),
-        "latent_dtype": {"fp8": "FLOAT8E4M3FN", "int8": "INT8", "bf16": "BFLOAT16"}[cache_format],
+        "latent_dtype": {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}[cache_format],
+        "latent_zero_point": 128 if cache_format == "int8" else None,
         "latent_scale_group": gm.latent_group(config, cache_format) if fp8 else None,
         "latent_scale_dtype": "FLOAT" if fp8 else None,
         "rope_dtype": "FLOAT16",

@@ -8,9 +8,9 @@ copy of checkpoint tensors; `initializer_sources` names those tensors. They are 
 The layer graph reads and writes the latent cache in its stored format:
 - fp8:  latent [t, b, c] e4m3 with one float32 scale per group of 128 values [t, b, c/128],
         rope [t, b, r] float16: 512 + 16 + 128 = 656 bytes per token per layer on Kimi K2.
-- int8: as fp8 with the latent as int8 codes (scale absmax / 127): the cpu target's default, since
-        ONNX Runtime's CPU provider widens int8 about 25x faster than e4m3, and int8 keeps more
-        of a latent group's precision than e4m3's 3 mantissa bits; same 656 bytes.
+- int8: the latent as int8 codes with one float32 scale per token (absmax / 127), each code q stored
+        as the byte q + 128 [t, b, c] uint8: the cpu target's cache, which attention multiplies in
+        integer arithmetic as it is stored (plugins/mla.py); 512 + 4 + 128 = 644 bytes on Kimi K2.
 - bf16: latent [t, b, c] bfloat16, rope [t, b, r] float16 (1152 bytes on Kimi K2).
 The cache is time-major so that the first t positions of every row are one contiguous block.
 
@@ -33,6 +33,7 @@ from ..config import ModelConfig
 from ..checkpoint.reader import Checkpoint
 from ..plugins import int8
 from ..plugins.fp8 import dequantize
+from ..plugins.mla import CODE_ZERO, absorbed_int8
 from . import model
 from .rope import inverse_frequencies
 
@@ -40,7 +41,7 @@ FP8_MAX = 448.0
 INT8_MAX = 127.0
 CACHE_FORMATS = ("fp8", "int8", "bf16")
 SCALED_CACHE_FORMATS = ("fp8", "int8")  # one byte per latent value, one float32 scale per group
-CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "bf16": torch.bfloat16}
+CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.uint8, "bf16": torch.bfloat16}
 
 
 def latent_group(config: ModelConfig, cache_format: str = "fp8") -> int:
@@ -76,6 +77,19 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.k2deploy.linear_int8(x, self.weight_int8, self.weight_int8_scale)
+
+
+class AbsorbedInt8(nn.Module):
+    """kv_b_proj taken apart for absorbed attention, as int8: W_UK [h, d, c] and W_UV^T [h, c, v] with one
+    scale per output column (plugins/mla.py `absorbed_int8`); the int8 cache's attention multiplies them."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        h, d, v, c = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.register_buffer("w_uk_int8", torch.empty(h, d, c, dtype=torch.int8))
+        self.register_buffer("w_uk_scale", torch.empty(h, 1, c))
+        self.register_buffer("w_uv_int8", torch.empty(h, c, v, dtype=torch.int8))
+        self.register_buffer("w_uv_scale", torch.empty(h, 1, v))
 
 
 def linear_maker(target: str, fp8_block: int):
@@ -147,8 +161,11 @@ class ExportLayer(nn.Module):
         make_linear = linear_maker(target, block)
         self.input_layernorm = model.RMSNorm(c.hidden_size, c.rms_norm_eps, torch.bfloat16)
         self.self_attn = model.MLA(c, absorb=True, make_linear=make_linear, norm_dtype=torch.bfloat16)
-        # absorbed attention takes W_UK and W_UV apart per head: kv_b stays FP8, dequantised once at load
-        self.self_attn.kv_b_proj = Fp8Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), block)
+        # absorbed attention takes W_UK and W_UV apart per head: as int8 for the int8 cache's attention,
+        # else FP8, dequantised once at load
+        self.self_attn.kv_b_proj = (AbsorbedInt8(c) if cache_format == "int8" else
+                                    Fp8Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                              block))
         self.post_attention_layernorm = model.RMSNorm(c.hidden_size, c.rms_norm_eps, torch.bfloat16)
         self.mlp = (ExportMoE(c, block, target) if c.is_moe_layer(layer)
                     else model.MLP(c.hidden_size, c.intermediate_size, make_linear))
@@ -167,9 +184,11 @@ class ExportLayer(nn.Module):
         causal = step[None, :, None] >= step[None, None, :]  # [1, s, s]
         mask = torch.cat([cached.expand(b, s, t), causal.expand(b, s, s)], dim=-1)  # [b, s, t + s]
         if self.cache_format == "int8":  # the codes read in place, the per-token scale applied to the scores
+            kv_b = attention.kv_b_proj
             attended = torch.ops.k2deploy.mla_attention_int8_cache(
-                q_nope, q_pe, past_latent, past_latent_scale, past_rope, new_latent, new_rope,
-                attention.kv_b_proj.dequantized(), mask, c.qk_nope_head_dim, c.v_head_dim, c.softmax_scale)
+                q_nope, q_pe, past_latent, past_latent_scale, past_rope, new_latent, new_rope, kv_b.w_uk_int8,
+                kv_b.w_uk_scale, kv_b.w_uv_int8, kv_b.w_uv_scale, mask, c.qk_nope_head_dim, c.v_head_dim,
+                c.softmax_scale)
         else:
             latent_past = past_latent.float()
             if past_latent_scale is not None:
@@ -189,7 +208,7 @@ class ExportLayer(nn.Module):
         scale = (grouped.abs().amax(dim=-1, keepdim=True) / largest).clamp(min=1e-12)
         codes = grouped / scale
         if self.cache_format == "int8":
-            codes = codes.round().clamp(-INT8_MAX, INT8_MAX)
+            codes = codes.round().clamp(-INT8_MAX, INT8_MAX) + CODE_ZERO
         quantised = codes.to(CACHE_TORCH_DTYPES[self.cache_format]).view(b, s, c.kv_lora_rank)
         return hidden, quantised, new_rope, scale.squeeze(-1)
 
@@ -257,6 +276,11 @@ def int8_pieces(config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: i
         return (_int8_part(_float_rows(config, checkpoint, source, start, start + ROWS_PER_PIECE), block,
                            part.endswith("scale"))
                 for start in range(0, rows, ROWS_PER_PIECE))
+    if name.startswith("self_attn.kv_b_proj.w_u"):
+        weight = torch.from_numpy(checkpoint.float32(prefix + "self_attn.kv_b_proj.weight"))
+        parts = absorbed_int8(weight, config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim)
+        names = ("w_uk_int8", "w_uk_scale", "w_uv_int8", "w_uv_scale")
+        return [parts[names.index(name.rpartition(".")[2])].numpy()]
     if name.startswith("mlp.experts_fc"):
         fc, part = name.removeprefix("mlp.experts_").split("_")
         block = experts_int8_block(config, "cpu")

@@ -66,19 +66,36 @@ def mla_attention_function(heads: int, nope_dim: int, v_dim: int, softmax_scale:
 
 
 class _Query:
-    """The absorbed query: q_nope through W_UK to the latent, both parts as [b, s*h, .] rows."""
+    """The absorbed query: q_nope through W_UK to the latent, both parts as [b, s*h, .] rows; and the output
+    back through W_UV. Here W_UK and W_UV are float32 slices of kv_b_weight; `_Int8Query` multiplies int8 ones."""
 
     def __init__(self, b: Body, heads: int, nope_dim: int, v_dim: int):
         self.b, self.heads, self.nope_dim, self.v_dim = b, heads, nope_dim, v_dim
-        w_kv = self.w_kv = b.node("Reshape", "kv_b_weight", b.const([heads, nope_dim + v_dim, -1]))  # [h, d + v, c]
-        w_uk = b.node("Slice", w_kv, b.const([0]), b.const([nope_dim]), b.const([1]))  # [h, d, c]
         self.batch, self.seq = b.node("Shape", "q_nope", start=0, end=1), b.node("Shape", "q_nope", start=1, end=2)
         self.rows = b.node("Mul", self.batch, self.seq)
-        heads_first = b.node("Transpose", b.node("Reshape", "q_nope", b.node("Concat", self.rows, b.const([heads, -1]),
-                                                                              axis=0)), perm=[1, 0, 2])  # [h, b*s, d]
-        q_latent = b.node("Transpose", b.node("MatMul", heads_first, w_uk), perm=[1, 0, 2])  # [b*s, h, c]
+        q_latent = b.node("Transpose", self.to_latent(self._heads_first("q_nope")), perm=[1, 0, 2])  # [b*s, h, c]
         self.latent = b.node("Reshape", q_latent, self._batch_rows(q_latent, 2))  # [b, s*h, c]
         self.pe = b.node("Reshape", "q_pe", self._batch_rows("q_pe", 3))  # [b, s*h, r]
+
+    def to_latent(self, q_nope: str) -> str:
+        """[h, b*s, d] through W_UK [h, d, c] -> [h, b*s, c]."""
+        return self.b.node("MatMul", q_nope, self._w_kv_part(0, self.nope_dim))
+
+    def from_latent(self, out_latent: str) -> str:
+        """[h, b*s, c] through W_UV^T [h, c, v] -> [h, b*s, v]."""
+        w_uv = self._w_kv_part(self.nope_dim, self.nope_dim + self.v_dim)
+        return self.b.node("MatMul", out_latent, self.b.node("Transpose", w_uv, perm=[0, 2, 1]))
+
+    def _w_kv_part(self, start: int, stop: int) -> str:
+        b = self.b
+        w_kv = b.node("Reshape", "kv_b_weight", b.const([self.heads, self.nope_dim + self.v_dim, -1]))  # [h, d + v, c]
+        return b.node("Slice", w_kv, b.const([start]), b.const([stop]), b.const([1]))
+
+    def _heads_first(self, tensor: str) -> str:
+        """[b, s, h, .] or [b, s*h, .] -> [h, b*s, .]"""
+        b = self.b
+        rows = b.node("Reshape", tensor, b.node("Concat", self.rows, b.const([self.heads, -1]), axis=0))
+        return b.node("Transpose", rows, perm=[1, 0, 2])
 
     def _batch_rows(self, tensor: str, last_axis: int) -> str:
         b = self.b
@@ -96,13 +113,25 @@ class _Query:
     def output(self, out_latent: str) -> str:
         """out_latent [b, s*h, c] through W_UV -> [b, s, h, v]."""
         b = self.b
-        w_uv = b.node("Transpose", b.node("Slice", self.w_kv, b.const([self.nope_dim]),
-                                          b.const([self.nope_dim + self.v_dim]), b.const([1])), perm=[0, 2, 1])  # [h, c, v]
-        heads_first = b.node("Transpose", b.node("Reshape", out_latent, b.node("Concat", self.rows,
-                                                                                b.const([self.heads, -1]), axis=0)),
-                             perm=[1, 0, 2])  # [h, b*s, c]
-        out = b.node("Transpose", b.node("MatMul", heads_first, w_uv), perm=[1, 0, 2])  # [b*s, h, v]
+        out = b.node("Transpose", self.from_latent(self._heads_first(out_latent)), perm=[1, 0, 2])  # [b*s, h, v]
         return b.node("Reshape", out, b.node("Concat", self.batch, self.seq, b.const([self.heads, self.v_dim]), axis=0))
+
+
+class _Int8Query(_Query):
+    """W_UK and W_UV as int8 per output column (w_uk_codes [h, d, c] with w_uk_scale [h, 1, c]; w_uv_codes
+    [h, c, v] with w_uv_scale [h, 1, v]); the rows they multiply are quantised to uint8 per row on the fly."""
+
+    def to_latent(self, q_nope: str) -> str:
+        return self._times_int8(q_nope, "w_uk_codes", "w_uk_scale")
+
+    def from_latent(self, out_latent: str) -> str:
+        return self._times_int8(out_latent, "w_uv_codes", "w_uv_scale")
+
+    def _times_int8(self, rows: str, codes: str, scale: str) -> str:
+        b = self.b
+        row_codes, row_scale = _quantized_rows(b, rows, 127.0, onnx.TensorProto.UINT8, offset=CODE_ZERO)
+        product = b.node("MatMulInteger", row_codes, codes, b.const(CODE_ZERO, onnx.TensorProto.UINT8))
+        return b.node("Mul", b.node("Mul", b.node("Cast", product, to=onnx.TensorProto.FLOAT), row_scale), scale)
 
 
 ORT_OPSET = onnx.helper.make_opsetid("com.microsoft", 1)
@@ -113,66 +142,113 @@ def _times_transposed(b: Body, rows: str, keys: str) -> str:
     return b.node("FusedMatMul", rows, keys, transB=1, alpha=1.0, domain="com.microsoft")
 
 
-# -- over an int8 cache read in place (the cpu target) ------------------------------------------------
+# -- over an int8 cache read in place (the cpu target) ----------------------------------------------
 
-def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, kv_b_weight,
-                                   mask, nope_dim: int, v_dim: int, softmax_scale: float) -> torch.Tensor:
-    """past_codes [t, b, c] int8 with one scale per token past_scale [t, b, 1], past_rope [t, b, r] float16 (the
-    cache, time-major), new_latent [b, s, c], new_rope [b, s, r], mask [b, s, t + s] -> [b, s, h, v]."""
-    past = (past_codes.float() * past_scale).transpose(0, 1)
+CODE_ZERO = 128  # the int8 cache stores code q in [-127, 127] as the byte q + 128: ONNX Runtime's fast
+                 # integer products take their left operand as uint8
+
+
+def absorbed_int8(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, v_dim: int) -> tuple:
+    """kv_b_weight [h * (d + v), c] float -> W_UK as int8 [h, d, c] with scales [h, 1, c] and W_UV^T as int8
+    [h, c, v] with scales [h, 1, v]: symmetric, absmax / 127 over the dimension each product sums."""
+    w_kv = kv_b_weight.float().view(heads, nope_dim + v_dim, -1)
+    parts = []
+    for weight in (w_kv[:, :nope_dim], w_kv[:, nope_dim:].transpose(1, 2)):
+        scale = (weight.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
+        parts += [(weight / scale).round().clamp(-127, 127).to(torch.int8), scale]
+    return tuple(parts)
+
+
+def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes,
+                                   w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim: int, v_dim: int,
+                                   softmax_scale: float) -> torch.Tensor:
+    """past_codes [t, b, c] uint8 (code + 128) with one scale per token past_scale [t, b, 1], past_rope [t, b, r]
+    float16 (the cache, time-major), new_latent [b, s, c], new_rope [b, s, r], W_UK and W_UV^T as int8 (see
+    absorbed_int8), mask [b, s, t + s] -> [b, s, h, v]."""
+    past = ((past_codes.float() - CODE_ZERO) * past_scale).transpose(0, 1)
     latent = torch.cat([past, new_latent], dim=1)
     rope = torch.cat([past_rope.float().transpose(0, 1), new_rope], dim=1)
+    w_uk = w_uk_codes.float() * w_uk_scale  # [h, d, c]
+    w_uv = (w_uv_codes.float() * w_uv_scale).transpose(1, 2)  # [h, v, c]
+    kv_b_weight = torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1])
     return mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim, v_dim, softmax_scale)
 
 
 @torch.library.custom_op("k2deploy::mla_attention_int8_cache", mutates_args=())
 def mla_attention_int8_cache(q_nope: torch.Tensor, q_pe: torch.Tensor, past_codes: torch.Tensor, past_scale: torch.Tensor,
                              past_rope: torch.Tensor, new_latent: torch.Tensor, new_rope: torch.Tensor,
-                             kv_b_weight: torch.Tensor, mask: torch.Tensor, nope_dim: int, v_dim: int,
+                             w_uk_codes: torch.Tensor, w_uk_scale: torch.Tensor, w_uv_codes: torch.Tensor,
+                             w_uv_scale: torch.Tensor, mask: torch.Tensor, nope_dim: int, v_dim: int,
                              softmax_scale: float) -> torch.Tensor:
     return mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope,
-                                          kv_b_weight, mask, nope_dim, v_dim, softmax_scale)
+                                          w_uk_codes, w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim, v_dim,
+                                          softmax_scale)
 
 
 @mla_attention_int8_cache.register_fake
-def _(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, kv_b_weight, mask, nope_dim, v_dim,
-      softmax_scale):
+def _(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes, w_uk_scale, w_uv_codes,
+      w_uv_scale, mask, nope_dim, v_dim, softmax_scale):
     b, s, h, _ = q_nope.shape
     return q_nope.new_empty((b, s, h, v_dim), dtype=torch.float32)
 
 
 ATTENTION_INT8_CACHE = FunctionSpec(
     "MlaAttentionInt8Cache",
-    ["q_nope", "q_pe", "past_codes", "past_scale", "past_rope", "new_latent", "new_rope", "kv_b_weight", "mask"],
+    ["q_nope", "q_pe", "past_codes", "past_scale", "past_rope", "new_latent", "new_rope", "w_uk_codes", "w_uk_scale",
+     "w_uv_codes", "w_uv_scale", "mask"],
     ["out"], ["nope_dim", "v_dim", "softmax_scale"])
 _attention_int8_cache_node = custom_node(ATTENTION_INT8_CACHE.name, ATTENTION_INT8_CACHE.inputs,
                                          ATTENTION_INT8_CACHE.outputs,
                                          {"nope_dim": int, "v_dim": int, "softmax_scale": float})
 
 
-def mla_attention_int8_cache_onnx(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, kv_b_weight,
-                                  mask, nope_dim: int, v_dim: int, softmax_scale: float):
+def mla_attention_int8_cache_onnx(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes,
+                                  w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim: int, v_dim: int,
+                                  softmax_scale: float):
     return _attention_int8_cache_node(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope,
-                                      kv_b_weight, mask, nope_dim=nope_dim, v_dim=v_dim, softmax_scale=softmax_scale)
+                                      w_uk_codes, w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim=nope_dim,
+                                      v_dim=v_dim, softmax_scale=softmax_scale)
 
 
 def mla_attention_int8_cache_function(heads: int, nope_dim: int, v_dim: int, softmax_scale: float) -> onnx.FunctionProto:
-    """Scores and values over the cached codes as they are: each code widened once, the per-token scale applied to
-    the [b, s*h, t] scores and probabilities (not to the cache), the new entries taken apart (no concatenation)."""
+    """Scores and values over the cached codes as they are, in integer arithmetic: the absorbed queries and the
+    probabilities are quantised per row (int8 and uint8, symmetric), multiplied with the uint8 codes by
+    MatMulInteger, and the per-row and per-token scales are applied to the small [b, s*h, t] results. The
+    rope part and the step's new entries stay float32; the past is never widened, rescaled or concatenated.
+    W_UK and W_UV are int8 too, so that every weight and cached byte is read once, as one byte."""
     b = Body("mla8")
-    query = _Query(b, heads, nope_dim, v_dim)
-    batch_major = lambda name: b.node("Transpose", name, perm=[1, 0, 2])  # noqa: E731  [t, b, .] -> [b, t, .]
-    past = b.node("Cast", batch_major("past_codes"), to=onnx.TensorProto.FLOAT)  # [b, t, c]
+    query = _Int8Query(b, heads, nope_dim, v_dim)
+    codes = b.node("Transpose", "past_codes", perm=[1, 0, 2])  # [b, t, c] uint8, batch-major
+    zero = b.const(CODE_ZERO, onnx.TensorProto.UINT8)
     scale = b.node("Transpose", "past_scale", perm=[1, 2, 0])  # [b, 1, t]
-    past_rope = b.node("Cast", batch_major("past_rope"), to=onnx.TensorProto.FLOAT)  # [b, t, r]
-    past_scores = b.node("Add", b.node("Mul", _times_transposed(b, query.latent, past), scale),
-                         _times_transposed(b, query.pe, past_rope))  # [b, s*h, t]
+    q_codes, q_scale = _quantized_rows(b, query.latent, 127.0, onnx.TensorProto.INT8)  # [b, s*h, c], [b, s*h, 1]
+    # scores transposed, so that the cached codes are the uint8 left operand: [b, t, c] x [b, c, s*h]
+    scores_t = b.node("MatMulInteger", codes, b.node("Transpose", q_codes, perm=[0, 2, 1]), zero)
+    past_scores = b.node("Mul", b.node("Mul", b.node("Cast", b.node("Transpose", scores_t, perm=[0, 2, 1]),
+                                                     to=onnx.TensorProto.FLOAT), q_scale), scale)
+    past_rope = b.node("Cast", b.node("Transpose", "past_rope", perm=[1, 0, 2]), to=onnx.TensorProto.FLOAT)
+    past_scores = b.node("Add", past_scores, _times_transposed(b, query.pe, past_rope))  # [b, s*h, t]
     new_scores = b.node("Add", _times_transposed(b, query.latent, "new_latent"),
                         _times_transposed(b, query.pe, "new_rope"))  # [b, s*h, s]
     probs = query.softmax(b.node("Concat", past_scores, new_scores, axis=-1), softmax_scale, "mask")
     t = b.node("Shape", "past_codes", start=0, end=1)
     past_probs = b.node("Mul", b.node("Slice", probs, b.const([0]), t, b.const([2])), scale)
     new_probs = b.node("Slice", probs, t, b.const([1 << 62]), b.const([2]))
-    out_latent = b.node("Add", b.node("MatMul", past_probs, past), b.node("MatMul", new_probs, "new_latent"))
+    p_codes, p_scale = _quantized_rows(b, past_probs, 255.0, onnx.TensorProto.UINT8)
+    past_out = b.node("Mul", b.node("Cast", b.node("MatMulInteger", p_codes, codes, "", zero), to=onnx.TensorProto.FLOAT),
+                      p_scale)  # [b, s*h, c]
+    out_latent = b.node("Add", past_out, b.node("MatMul", new_probs, "new_latent"))
     b.rename(query.output(out_latent), "out")
     return ATTENTION_INT8_CACHE.function(b, extra_opsets=[ORT_OPSET])
+
+
+def _quantized_rows(b: Body, rows: str, largest: float, dtype: int, offset: int = 0) -> tuple[str, str]:
+    """rows [..., n] float -> codes round(rows / scale) + offset of dtype, and the per-row scale [..., 1] =
+    absmax / largest."""
+    absmax = b.node("ReduceMax", b.node("Abs", rows), b.const([-1]), keepdims=1)
+    row_scale = b.node("Max", b.node("Div", absmax, b.const(largest, onnx.TensorProto.FLOAT)),
+                       b.const(1e-30, onnx.TensorProto.FLOAT))
+    codes = b.node("Round", b.node("Div", rows, row_scale))
+    if offset:
+        codes = b.node("Add", codes, b.const(float(offset), onnx.TensorProto.FLOAT))
+    return b.node("Cast", codes, to=dtype), row_scale

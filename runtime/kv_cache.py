@@ -7,7 +7,8 @@ sessions read it in place through zero-copy OrtValues, without copying the cache
 fp8:  latent e4m3 bits [L, T, B, c] uint8, latent_scale [L, T, B, c / group] float32 (one scale
       per group of 128 latent values), rope [L, T, B, r] float16 -> 656 bytes per token per
       layer at Kimi K2's c = 512, r = 64.
-int8: as fp8 with the latent as int8 codes [L, T, B, c] int8 (the cpu target's cache) -> 656 bytes.
+int8: as fp8 with the latent as int8 codes stored as code + 128 [L, T, B, c] uint8 and one scale per
+      token (the cpu target's cache) -> 644 bytes.
 bf16: latent bits [L, T, B, c] uint16, rope [L, T, B, r] float16 -> 1152 bytes.
 """
 
@@ -24,9 +25,9 @@ if TYPE_CHECKING:
     from .cache_rows import CacheRows
 
 # ONNX TensorProto element types (onnx itself is not needed at run time)
-INT8, BFLOAT16, FLOAT8E4M3FN = 3, 16, 17
+UINT8, BFLOAT16, FLOAT8E4M3FN = 2, 16, 17
 # format -> (latent storage dtype, ONNX element type of the graph's latent input, has per-group scales)
-FORMATS = {"fp8": (np.uint8, FLOAT8E4M3FN, True), "int8": (np.int8, INT8, True), "bf16": (np.uint16, BFLOAT16, False)}
+FORMATS = {"fp8": (np.uint8, FLOAT8E4M3FN, True), "int8": (np.uint8, UINT8, True), "bf16": (np.uint16, BFLOAT16, False)}
 
 
 class LatentCache:
