@@ -15,8 +15,8 @@ at the `small` preset's dimensions by default (hidden 1024, dense MLP 2816, 64 e
              com.microsoft QMoE with 8-bit experts (block 32 and 128), and QMoE's FP8 mode.
   cache      widening the latent cache of T tokens to float32: Cast of e4m3, DequantizeLinear of e4m3
              with its block scales, Cast of int8.
-  attention  one decode step's products over an int8 cache of T tokens with 16 heads: the scores in
-             float32 (widened codes) or in int8 (MatMulInteger), the value product in float32.
+  attention  one decode step's two products over an int8 cache of T tokens with 16 heads, in float32
+             after widening the codes, or in integer arithmetic (MatMulInteger) as the cpu target runs them.
 
 Errors are against float32 numpy on the same (re-quantised) weights, relative to the largest output.
 A candidate ONNX Runtime cannot run here is listed with its error message.
@@ -232,31 +232,41 @@ def cache_candidates(rng, contexts: list[int], latent: int, threads: int, repeat
 
 
 def attention_candidates(rng, contexts: list[int], heads: int, latent: int, threads: int, repeats: int) -> list[dict]:
-    """One decode step's products over an int8 cache of T tokens: scores (the heads' absorbed queries against every
-    cached latent) and values (their probabilities times the latent), in float32 after widening, or in int8."""
+    """One decode step's two products over an int8 cache of T tokens (codes stored as q + 128): the scores (the
+    heads' absorbed queries against every cached latent) and the values (their probabilities times the latent),
+    in float32 after widening the codes, or in integer arithmetic as MlaAttentionInt8Cache runs them."""
     results = []
     for context in contexts:
-        query = rng.standard_normal((heads, latent)).astype(np.float32)
-        probs = rng.random((heads, context)).astype(np.float32)
-        codes = rng.integers(-127, 128, (context, latent)).astype(np.int8)
+        zero = numpy_helper.from_array(np.array(128, np.uint8), "zero")
         typed = lambda name, dtype, shape: helper.make_tensor_value_info(name, dtype, shape)  # noqa: E731
+        widened = [helper.make_node("Cast", ["codes"], ["shifted"], to=TensorProto.FLOAT),
+                   helper.make_node("Sub", ["shifted", "zero_f"], ["wide"])]
+        zero_f = numpy_helper.from_array(np.array(128.0, np.float32), "zero_f")
         cases = {
-            "scores, float32 (Cast + FusedMatMul transB)": (
-                [helper.make_node("Cast", ["codes"], ["wide"], to=TensorProto.FLOAT),
-                 helper.make_node("FusedMatMul", ["a", "wide"], ["y"], domain="com.microsoft", transB=1)], query),
-            "scores, int8 (DynamicQuantizeLinear + MatMulInteger)": (
-                [helper.make_node("DynamicQuantizeLinear", ["a"], ["a8", "a_scale", "a_zero"]),
-                 helper.make_node("Transpose", ["codes"], ["codes_t"], perm=[1, 0]),
-                 helper.make_node("MatMulInteger", ["a8", "codes_t", "a_zero"], ["y32"]),
-                 helper.make_node("Cast", ["y32"], ["y"], to=TensorProto.FLOAT)], query),
-            "values, float32 (Cast + MatMul)": (
-                [helper.make_node("Cast", ["codes"], ["wide"], to=TensorProto.FLOAT),
-                 helper.make_node("MatMul", ["a", "wide"], ["y"])], probs),
+            "scores, float32 (widen + FusedMatMul transB)": (
+                widened + [helper.make_node("FusedMatMul", ["a", "wide"], ["y"], domain="com.microsoft", transB=1)],
+                ("a", TensorProto.FLOAT, (heads, latent)), [zero_f]),
+            "scores, int8 (MatMulInteger, codes as uint8 rows)": (
+                [helper.make_node("MatMulInteger", ["codes", "a", "zero"], ["y32"]),
+                 helper.make_node("Transpose", ["y32"], ["y32t"], perm=[1, 0]),
+                 helper.make_node("Cast", ["y32t"], ["y"], to=TensorProto.FLOAT)],
+                ("a", TensorProto.INT8, (latent, heads)), [zero]),
+            "values, float32 (widen + MatMul)": (
+                widened + [helper.make_node("MatMul", ["a", "wide"], ["y"])],
+                ("a", TensorProto.FLOAT, (heads, context)), [zero_f]),
+            "values, int8 (MatMulInteger, uint8 probabilities)": (
+                [helper.make_node("MatMulInteger", ["a", "codes", "", "zero"], ["y32"]),
+                 helper.make_node("Cast", ["y32"], ["y"], to=TensorProto.FLOAT)],
+                ("a", TensorProto.UINT8, (heads, context)), [zero]),
         }
-        for name, (nodes, a) in cases.items():
-            runner = session(nodes, [typed("a", TensorProto.FLOAT, list(a.shape)),
-                                     typed("codes", TensorProto.INT8, [context, latent])], [], threads)
-            feeds = {"a": a, "codes": codes}
+        codes = rng.integers(1, 256, (context, latent)).astype(np.uint8)
+        arrays = {TensorProto.FLOAT: lambda shape: rng.random(shape).astype(np.float32),
+                  TensorProto.INT8: lambda shape: rng.integers(-127, 128, shape).astype(np.int8),
+                  TensorProto.UINT8: lambda shape: rng.integers(0, 256, shape).astype(np.uint8)}
+        for name, (nodes, (a_name, a_type, a_shape), constants) in cases.items():
+            runner = session(nodes, [typed(a_name, a_type, list(a_shape)),
+                                     typed("codes", TensorProto.UINT8, [context, latent])], constants, threads)
+            feeds = {"a": arrays[a_type](a_shape), "codes": codes}
             results.append({"op": f"attention {heads} heads, T={context}", "candidate": name,
                             "ms_1": timed(lambda: runner.run(None, feeds), repeats)})
     return results

@@ -44,7 +44,8 @@ DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
 WEIGHT_FORMATS = {
     "cpu": "dense linears, head and routed experts as int8 blocks along the input dim (uint8 codes - 128, one "
            "float32 scale per block), re-quantised from the checkpoint's FP8 and BF16; com.microsoft MatMulNBits "
-           "and QMoE with int8 compute; norms, router, embedding and kv_b_proj as in the checkpoint",
+           "and QMoE with int8 compute; with the int8 cache, kv_b_proj as int8 W_UK and W_UV (one scale per "
+           "output column) for MatMulInteger, else FP8; norms, router and embedding as in the checkpoint",
     "cuda": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
     "tensorrt": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
 }

@@ -77,7 +77,7 @@ def moe_experts_int8(x: torch.Tensor, expert_ids: torch.Tensor, route_weights: t
     """x [n, m], expert_ids / route_weights [n, k]; fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f]
     as codes uint8 with scales [e, rows, cols / block] -> [n, m] float32: each token's chosen experts' SwiGLU,
     weighted by its route weights and summed."""
-    e, rows, m = fc1_codes.shape
+    _, rows, m = fc1_codes.shape
     block = m // fc1_scales.shape[-1]  # one block size for both (QMoE's block_size)
     out = torch.zeros(x.shape, dtype=torch.float32)
     for expert in expert_ids.unique().tolist():
