@@ -8,6 +8,9 @@ written last and atomically, so an artifact without one is unfinished and never 
 from __future__ import annotations
 
 import hashlib
+import os
+import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +55,7 @@ class Manifest:
         return self.data["graphs"]
 
     def path(self, relative: str) -> Path:
-        return self.root / relative
+        return inside(self.root, relative, "file")
 
     @property
     def digest(self) -> str:
@@ -60,8 +63,60 @@ class Manifest:
         return sha256_file(self.root / MANIFEST_FILE)
 
 
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def inside(root: Path, relative: object, what: str) -> Path:
+    """`relative` as a regular file inside the artifact: a K2Error for anything else (an absolute path, `..`, a
+    link out of the artifact, a device, a pipe), checked before the file is opened."""
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        raise K2Error(f"{root}: {what} {relative!r} is not a file name; re-export the artifact")
+    if os.path.isabs(relative) or ".." in Path(relative).parts:
+        raise K2Error(f"{root}: {what} {relative!r} points outside the artifact; refusing to read it")
+    path = root / relative
+    try:
+        resolved = path.resolve(strict=True)
+    except (FileNotFoundError, RuntimeError):
+        raise K2Error(f"{root}: file {relative} listed in the manifest is missing; re-export the artifact") from None
+    if not resolved.is_relative_to(root.resolve()):
+        raise K2Error(f"{root}: {what} {relative!r} links outside the artifact; refusing to read it")
+    if not stat.S_ISREG(resolved.stat().st_mode):
+        raise K2Error(f"{root}: {what} {relative!r} is not a regular file; refusing to read it")
+    return path
+
+
+def _check_shape(root: Path, data: dict) -> None:
+    """The manifest's structure, before any of it is used: one-line K2Errors naming what is malformed."""
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise K2Error(f"{root / MANIFEST_FILE}: malformed manifest ({what}); re-export the artifact")
+
+    files = data.get("files")
+    need(isinstance(files, dict), "'files' must be an object of path -> {bytes, sha256}")
+    for name, record in files.items():
+        need(isinstance(record, dict) and isinstance(record.get("bytes"), int) and not isinstance(record["bytes"], bool)
+             and record["bytes"] >= 0 and isinstance(record.get("sha256"), str) and SHA256.match(record["sha256"]),
+             f"files[{name!r}] must hold a byte count and a sha256")
+    need(isinstance(data.get("model_config"), dict), "'model_config' must be an object")
+    kv = data.get("kv_cache")
+    need(isinstance(kv, dict) and all(k in kv for k in ("format", "latent_dim", "rope_dim", "bytes_per_token_per_layer")),
+         "'kv_cache' must be an object with format, latent_dim, rope_dim and bytes_per_token_per_layer")
+    graphs = data.get("graphs")
+    need(isinstance(graphs, dict) and isinstance(graphs.get("layers"), list) and "embed" in graphs and "head" in graphs
+         and isinstance(graphs.get("layer_range"), list) and len(graphs["layer_range"]) == 2,
+         "'graphs' must hold embed, layers, head and layer_range")
+    entries = [g for g in (graphs["embed"], graphs["head"], *graphs["layers"]) if g is not None]
+    for entry in entries:
+        need(isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("data"), str)
+             and isinstance(entry.get("inputs"), list) and isinstance(entry.get("outputs"), list),
+             "every graph needs file, data, inputs and outputs")
+        for key in ("file", "data"):
+            need(entry[key] in files, f"graph file {entry[key]!r} is not listed in 'files', so it cannot be verified")
+
+
 def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
-    """Reads and checks an artifact: format version, then every file's presence, size and (by default) hash."""
+    """Reads and checks an artifact: format version, its structure, then every file's place (a regular file
+    inside the artifact), presence, size and (by default) hash."""
     root = Path(root)
     if not root.is_dir():
         raise K2Error(f"{root}: not an artifact directory (run `k2deploy export CKPT --out {root}` first)")
@@ -72,10 +127,9 @@ def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
     data = read_document(path, "missing", "format", FORMAT, "k2deploy manifest")
     check_version(data, "format_version", FORMAT_VERSION, f"{path}: format",
                   "re-export the checkpoint with this version")
+    _check_shape(root, data)
     for relative, record in data["files"].items():
-        file = root / relative
-        if not file.exists():
-            raise K2Error(f"{root}: file {relative} listed in the manifest is missing; re-export the artifact")
+        file = inside(root, relative, "file")
         if file.stat().st_size != record["bytes"]:
             raise K2Error(f"{root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
                           f"{record['bytes']}; it was altered or truncated, re-export the artifact")

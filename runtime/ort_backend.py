@@ -41,6 +41,43 @@ def resolve_provider(name: str) -> list[str]:
     return [PROVIDERS[name]] + (["CPUExecutionProvider"] if name != "cpu" else [])
 
 
+ORT_TYPES = {"tensor(float)": "FLOAT", "tensor(float16)": "FLOAT16", "tensor(bfloat16)": "BFLOAT16",
+             "tensor(float8e4m3fn)": "FLOAT8E4M3FN", "tensor(uint8)": "UINT8", "tensor(int8)": "INT8",
+             "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(bool)": "BOOL"}
+CACHE_LATENT_TYPES = {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}
+
+
+def check_against_graphs(manifest: Manifest, loaded: list) -> None:
+    """The manifest's own content (graph inputs and outputs, model dims, cache format) against the hashed graphs it
+    describes: an edited or mixed manifest is a one-line K2Error, not a wrong answer or a traceback later."""
+    config, kv = manifest.config, manifest.kv_cache
+
+    def refuse(entry: dict, what: str) -> None:
+        raise K2Error(f"{manifest.root}: manifest.json does not describe {entry['file']}: {what}; the manifest was "
+                      f"edited or mixes artifacts, re-export it")
+
+    expected_dims = {"hidden": {-1: config.hidden_size}, "hidden_out": {-1: config.hidden_size},
+                     "past_latent": {-1: kv["latent_dim"]}, "new_latent": {-1: kv["latent_dim"]},
+                     "past_rope": {-1: kv["rope_dim"]}, "new_rope": {-1: kv["rope_dim"]},
+                     "logits": {-1: config.vocab_size}}
+    if kv["latent_dim"] != config.kv_lora_rank or kv["rope_dim"] != config.qk_rope_head_dim:
+        raise K2Error(f"{manifest.root}: manifest.json's kv_cache dims ({kv['latent_dim']}, {kv['rope_dim']}) are not its "
+                      f"model's ({config.kv_lora_rank}, {config.qk_rope_head_dim}); re-export the artifact")
+    latent_type = CACHE_LATENT_TYPES.get(kv["format"])
+    for entry, session in loaded:
+        declared = [(v["name"], v["dtype"]) for v in entry["inputs"]] + [(v["name"], v["dtype"]) for v in entry["outputs"]]
+        actual = [(a.name, ORT_TYPES.get(a.type, a.type)) for a in (*session.get_inputs(), *session.get_outputs())]
+        if declared != actual:
+            refuse(entry, f"it takes and gives {actual}, the manifest says {declared}")
+        for arg in (*session.get_inputs(), *session.get_outputs()):
+            for axis, size in expected_dims.get(arg.name, {}).items():
+                if arg.shape[axis] != size:
+                    refuse(entry, f"{arg.name} has {arg.shape[axis]} at axis {axis}, the manifest's config says {size}")
+            if arg.name in ("past_latent", "new_latent") and ORT_TYPES.get(arg.type) != latent_type:
+                refuse(entry, f"{arg.name} is {ORT_TYPES.get(arg.type, arg.type)}, the manifest's cache format "
+                              f"{kv['format']!r} needs {latent_type}")
+
+
 class OrtModel:
     """The embedding, decoder layers and head of one artifact, ready to run."""
 
@@ -62,6 +99,8 @@ class OrtModel:
         self.embed_session = load(manifest.graphs["embed"])
         self.layer_sessions = [load(entry) for entry in manifest.graphs["layers"]]
         self.head_session = load(manifest.graphs["head"])
+        check_against_graphs(manifest, [(manifest.graphs["embed"], self.embed_session), (manifest.graphs["head"], self.head_session),
+                                        *zip(manifest.graphs["layers"], self.layer_sessions)])
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
 
     @property

@@ -1,6 +1,5 @@
 import base64
 import json
-import time
 
 import pytest
 from tiktoken.load import load_tiktoken_bpe
@@ -30,9 +29,8 @@ def small(tmp_path_factory):
 @pytest.fixture(scope="module")
 def full(tmp_path_factory):
     out = tmp_path_factory.mktemp("full")
-    start = time.perf_counter()
     write_tokenizer(out, 163840)
-    return out, KimiTokenizer.from_dir(out), time.perf_counter() - start
+    return out, KimiTokenizer.from_dir(out)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -45,13 +43,8 @@ def test_round_trip_small_vocab(small, text):
 
 @pytest.mark.parametrize("text", TEXTS)
 def test_round_trip_real_vocab(full, text):
-    _, tok, _ = full
+    _, tok = full
     assert tok.decode(tok.encode(text)) == text
-
-
-def test_real_vocab_writes_and_loads_quickly(full):
-    _, _, seconds = full
-    assert seconds < 10
 
 
 def test_learned_merges_compress_english(small):
@@ -76,7 +69,7 @@ def test_special_ids_sit_in_the_last_256(tmp_path, vocab):
 
 
 def test_real_size_matches_kimi_k2_ids(full):
-    _, tok, _ = full
+    _, tok = full
     ids = tok.special_ids
     assert (tok.bos_id, tok.eos_id) == (163584, 163585)
     assert [ids[n] for n in ("<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>")] \

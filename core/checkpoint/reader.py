@@ -130,9 +130,14 @@ def _read_entries(root: Path) -> dict[str, TensorEntry]:
     if index_path.exists():
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise K2Error(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise K2Error(f"{index_path}: not a valid index ('weight_map' must map tensor names to shard file names)")
         shard_names = sorted(set(weight_map.values()))
+        for shard_name in shard_names:  # files of this folder (a Hugging Face cache's links to its blobs are fine)
+            if Path(shard_name).name != shard_name or shard_name in ("", ".", ".."):
+                raise K2Error(f"{index_path}: shard {shard_name!r} is not a file of the checkpoint folder; refusing it")
     elif (root / SINGLE_FILE).exists():
         weight_map, shard_names = None, [SINGLE_FILE]
     else:
@@ -140,6 +145,8 @@ def _read_entries(root: Path) -> dict[str, TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     for shard_name in shard_names:
         shard = root / shard_name
+        if shard.exists() and not shard.is_file():
+            raise K2Error(f"{root}: shard {shard_name} is not a regular file")
         if not shard.exists():
             wanted = [n for n, s in weight_map.items() if s == shard_name]
             raise K2Error(f"shard {shard_name} is missing from {root} ({len(wanted)} tensors, e.g. {wanted[0]}, live in it)")

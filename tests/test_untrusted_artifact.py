@@ -1,0 +1,82 @@
+"""An artifact (its manifest too) and a checkpoint index are untrusted input: every way of pointing the runtime
+outside the artifact, at something that is not a file, or at content the manifest misdescribes is one line,
+exit 2, no traceback, and nothing outside the artifact is opened."""
+
+import json
+import os
+import shutil
+
+import pytest
+
+from cli import run_cli
+from k2deploy.manifest import MANIFEST_FILE
+
+
+def _rename_file(data, art, new_name):
+    data["files"][new_name] = data["files"].pop("graphs/layer_001.data")
+    data["graphs"]["layers"][1]["data"] = new_name
+
+
+def _add_file(data, art, name, make):
+    make(art / name)
+    data["files"][name] = {"bytes": 0, "sha256": "0" * 64}
+
+
+def _unlist_graph(data, art):
+    del data["files"]["graphs/layer_001.onnx"]
+
+
+def _set(path, value):
+    def edit(data, art):
+        *parents, leaf = path
+        target = data
+        for key in parents:
+            target = target[key]
+        target[leaf] = value
+    return edit
+
+
+CASES = {
+    "a parent path": (lambda d, a: _rename_file(d, a, "../outside.data"), "points outside the artifact"),
+    "an absolute path": (lambda d, a: _rename_file(d, a, "/etc/passwd"), "points outside the artifact"),
+    "a link to a device": (lambda d, a: _add_file(d, a, "graphs/zero", lambda p: os.symlink("/dev/zero", p)),
+                           "links outside the artifact"),
+    "a pipe": (lambda d, a: _add_file(d, a, "graphs/pipe", os.mkfifo), "is not a regular file"),
+    "a graph left out of files": (_unlist_graph, "is not listed in 'files', so it cannot be verified"),
+    "files as a list": (_set(["files"], ["graphs/embed.onnx"]), "malformed manifest ('files' must be an object"),
+    "no graphs": (lambda d, a: d.pop("graphs"), "malformed manifest ('graphs' must hold"),
+    "a bad hash record": (_set(["files", "graphs/embed.onnx", "sha256"], 5), "must hold a byte count and a sha256"),
+    "an edited hidden_size": (_set(["model_config", "hidden_size"], 256),
+                              "manifest.json does not describe graphs/embed.onnx: hidden has 192"),
+    "an edited cache format": (_set(["kv_cache", "format"], "bf16"),
+                               "past_latent is FLOAT8E4M3FN, the manifest's cache format 'bf16' needs BFLOAT16"),
+    "edited cache dims": (_set(["kv_cache", "latent_dim"], 32), "kv_cache dims (32, 16) are not its model's (64, 16)"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_manifest_that_points_astray_is_refused_in_one_line(tiny_artifacts, tmp_path, case):
+    edit, message = CASES[case]
+    art = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "art")
+    data = json.loads((art / MANIFEST_FILE).read_text())
+    edit(data, art)
+    (art / MANIFEST_FILE).write_text(json.dumps(data))
+    result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "1")
+    assert result.returncode == 2, (case, result.stderr)
+    assert message in result.stderr and "Traceback" not in result.stderr, (case, result.stderr)
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("shard, message", [
+    ("../model-00001.safetensors", "is not a file of the checkpoint folder"),
+    ("/etc/passwd", "is not a file of the checkpoint folder"),
+    ("sub/model.safetensors", "is not a file of the checkpoint folder"),
+])
+def test_a_checkpoint_index_naming_a_shard_elsewhere_is_refused(tiny_copy, shard, message):
+    index = tiny_copy / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = next(iter(data["weight_map"]))
+    data["weight_map"][first] = shard
+    index.write_text(json.dumps(data))
+    result = run_cli("inspect", tiny_copy)
+    assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
