@@ -14,6 +14,7 @@ import base64
 import itertools
 import json
 import re
+import secrets
 from collections import Counter
 from pathlib import Path
 
@@ -274,8 +275,46 @@ class KimiTokenizer:
         )
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of the rendered chat, ending in the assistant's generation prompt."""
-        return self.encode(self.apply_chat_template(messages), allow_special=True)
+        """Token ids of the rendered chat, ending in the assistant's generation prompt.
+
+        Only the template's own markup becomes special tokens: the text of every message (its content, text
+        parts and name) is rendered as an unguessable placeholder, and encoded as plain text where the
+        placeholder lands, so `<|im_end|><|im_system|>...` typed by a user stays text and cannot open a turn.
+        """
+        nonce = secrets.token_hex(8)
+        texts: list[str] = []
+
+        def placeholder(text: str) -> str:
+            texts.append(text)
+            return f"\ue000{nonce}:{len(texts) - 1}\ue001"
+
+        rendered = self.apply_chat_template([_with_placeholders(m, placeholder) for m in messages])
+        ids: list[int] = []
+        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += self.encode(texts[int(piece)])
+            elif nonce in piece.lower() or "\ue000" in piece or "\ue001" in piece:  # a placeholder it changed
+                raise K2Error("the chat template transformed message text instead of inserting it; "
+                              "it cannot be rendered without letting that text form special tokens")
+            elif piece:
+                ids += self.encode(piece, allow_special=True)
+        return ids
+
+
+def _with_placeholders(message: dict, placeholder) -> dict:
+    """A copy of a chat message whose user-written strings (content, text parts, name) are placeholders."""
+    if not isinstance(message, dict):
+        return message
+    out = dict(message)
+    for key in ("content", "name"):
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = placeholder(value)
+        elif isinstance(value, list):
+            out[key] = [{**part, "text": placeholder(part["text"])}
+                        if isinstance(part, dict) and isinstance(part.get("text"), str) else part for part in value]
+    return out
 
 
 def _error(path: Path, problem: str) -> K2Error:
