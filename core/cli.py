@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "scale per 128 values, 656 bytes/token/layer on K2, or bf16 (1152); default: int8 for "
                              "--target cpu, fp8 otherwise")
     export.add_argument("--layers", metavar="A:B", help="export only decoder layers A..B-1 (a partial artifact)")
-    export.add_argument("--opset", type=int, default=21, help="ONNX opset (default: 21)")
+    export.add_argument("--opset", type=int, default=21, help="ONNX opset, 21 to 24 (default: 21)")
     export.add_argument("--target", choices=["cpu", "cuda", "tensorrt"],
                         help="what to lower the weights for: cpu (int8 blocks for ONNX Runtime's CPU kernels), cuda or "
                              "tensorrt (FP8 as in the checkpoint); default: tensorrt if installed, else cuda if ONNX "

@@ -13,6 +13,7 @@ interrupted export resumes with its finished graphs kept. Decoder layers of one 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import platform
 import shutil
@@ -22,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..checkpoint.reader import Checkpoint
@@ -32,13 +34,14 @@ from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
 from ..targets import check_target, default_target
 from .. import plugins
 from . import graph_modules as gm
-from .onnx_graph import io_spec, trace, write_graph
+from .onnx_graph import TracingError, io_spec, trace, write_graph
 
 GRAPH_DIR = "graphs"
 TOKENIZER_DIR = "tokenizer"
 JOURNAL_FILE = ".export-journal.json"
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
+SUPPORTED_OPSETS = range(21, 25)  # each exported and run end to end in tests/test_export_refusals.py
 
 
 WEIGHT_FORMATS = {
@@ -164,6 +167,10 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                     on_total: Callable[[int], None] = lambda n: None) -> dict:
     """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes."""
     check_target(options.target)
+    if options.opset not in SUPPORTED_OPSETS:
+        raise K2Error(f"--opset {options.opset} is not supported; choose {SUPPORTED_OPSETS.start} to "
+                      f"{SUPPORTED_OPSETS.stop - 1} (default {DEFAULT_OPSET})")
+    _refuse_out_in_checkpoint(Path(options.checkpoint), out)
     if options.kv_cache is None:
         options = replace(options, kv_cache=default_cache(options.target))
     if options.kv_cache not in gm.CACHE_FORMATS:
@@ -172,6 +179,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         raise K2Error(f"--kv-cache int8 is the cpu target's cache; --target {options.target} keeps fp8 or bf16")
     checkpoint = Checkpoint.open(options.checkpoint)
     config = checkpoint.config
+    _check_tokenizer(Path(options.checkpoint))
     if config.fp8_block is None:
         raise K2Error(f"{options.checkpoint}: export needs FP8 weights (a quantization_config with weight_block_size)")
     if options.layers is not None:
@@ -183,6 +191,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     graphs_dir = out / GRAPH_DIR
     graphs_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan(config, options.layers)
+    _check_scales(checkpoint, jobs)
     on_total(sum(_job_bytes(checkpoint, job) for job in jobs if not journal.finished(job, out)))
 
     traces: dict[str, tuple] = {}
@@ -190,7 +199,10 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         if journal.finished(job, out):
             continue
         if job.kind not in traces:
-            traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target)
+            try:
+                traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target)
+            except TracingError as error:
+                raise K2Error(f"export stopped, nothing written for {job.stem}: {error}") from None
         model, derived = traces[job.kind]
 
         def pieces(name: str, job=job, derived=derived):
@@ -212,6 +224,32 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     write_json_atomically(out / MANIFEST_FILE, manifest)
     journal.path.unlink()
     return manifest
+
+
+def _check_scales(checkpoint: Checkpoint, jobs: list[GraphJob]) -> None:
+    """Every FP8 block scale the export will copy is finite: a NaN or inf scale turns its whole block into NaN."""
+    for job in jobs:
+        if job.layer is None:
+            continue
+        for name in checkpoint.layer_names(job.layer):
+            if name.endswith("_scale_inv") and not np.isfinite(checkpoint.raw(name)).all():
+                raise K2Error(f"{checkpoint.root}: {name} holds a non-finite scale (NaN or inf); the checkpoint is "
+                              f"damaged, nothing was exported")
+
+
+def _refuse_out_in_checkpoint(checkpoint: Path, out: Path) -> None:
+    source, target = checkpoint.resolve(), out.resolve()
+    if target == source or target.is_relative_to(source):
+        raise K2Error(f"--out {out} is the checkpoint folder or inside it; write the artifact elsewhere")
+
+
+def _check_tokenizer(checkpoint: Path) -> None:
+    """A tokenizer the runtime will load is loaded now, so that a broken one fails the export, not generate."""
+    if not (checkpoint / "tiktoken.model").exists() or importlib.util.find_spec("tiktoken") is None:
+        return
+    from ..tokenizer import KimiTokenizer
+
+    KimiTokenizer.from_dir(checkpoint)  # a K2Error naming the file when it is broken
 
 
 def _prepare(out: Path, force: bool) -> None:

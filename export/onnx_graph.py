@@ -37,7 +37,16 @@ def trace(module: torch.nn.Module, args: tuple, dynamic_shapes: dict, input_name
             input_names=input_names, output_names=output_names, custom_translation_table=plugins.translation_table(),
             verbose=False,
         )
-    return program.model
+    model = program.model
+    got_inputs, got_outputs = [v.name for v in model.graph.inputs], [v.name for v in model.graph.outputs]
+    if got_inputs != list(input_names) or got_outputs != list(output_names):  # the translation fell back part way
+        raise TracingError(f"tracing {type(module).__name__} at opset {opset} gave a graph taking {got_inputs} and "
+                           f"giving {got_outputs}, not {list(input_names)} -> {list(output_names)}")
+    return model
+
+
+class TracingError(RuntimeError):
+    """The exported graph is not the traced module's: an export must stop rather than write it."""
 
 
 def io_spec(values: Iterable[ir.Value]) -> list[dict]:
