@@ -98,15 +98,20 @@ def _resolve_baseline(options: BenchOptions, manifest, notes: list[str]) -> tupl
     recorded = manifest.data.get("checkpoint") or {}
     path = Path(recorded.get("path") or "")
     if not recorded.get("path") or not (path / "config.json").exists():
-        notes.append(f"no baseline: the checkpoint the artifact was exported from ({recorded.get('path')}) is gone")
+        why = f"the checkpoint the artifact was exported from ({recorded.get('path')}) is gone"
+        if options.baseline:  # asked for by name: an error, not a silent "none"
+            raise K2Error(f"--baseline {kind}: {why}; pass --baseline none to run without one")
+        notes.append(f"no baseline: {why}")
         return None, None
     index = path / "model.safetensors.index.json"
     if recorded.get("index_sha256") and index.exists():
         import hashlib
 
         if hashlib.sha256(index.read_bytes()).hexdigest() != recorded["index_sha256"]:
-            notes.append(f"no baseline: {path} is not the checkpoint the artifact was exported from "
-                         f"(its index differs from the manifest's record)")
+            why = f"{path} is not the checkpoint the artifact was exported from (its index differs from the record)"
+            if options.baseline:
+                raise K2Error(f"--baseline {kind}: {why}; pass --baseline none to run without one")
+            notes.append(f"no baseline: {why}")
             return None, None
     return kind, path
 

@@ -43,6 +43,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
 def cmd_inspect(args: argparse.Namespace) -> None:
     from .manifest import MANIFEST_FILE
 
+    if (Path(args.path) / ".export-journal.json").exists() and not (Path(args.path) / MANIFEST_FILE).exists():
+        raise K2Error(f"{args.path}: unfinished export, rerun export to resume")
     if (Path(args.path) / MANIFEST_FILE).exists():
         from .inspect_artifact import describe_artifact, format_artifact
         from .manifest import load_manifest
@@ -159,6 +161,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_score(args: argparse.Namespace) -> None:
     import numpy as np
 
+    folder = Path(args.out).resolve().parent
+    if not folder.is_dir():
+        raise K2Error(f"--out {args.out}: folder {folder} does not exist; create it first")
     logits = _load_generator(args).score(_prompt_ids(args.prompt_ids))
     np.save(args.out, logits)
     summary = {"out": args.out, "shape": list(logits.shape), "dtype": str(logits.dtype)}

@@ -267,12 +267,15 @@ class KimiTokenizer:
                 f"{CONFIG_FILE} has no chat_template (and there is no {TEMPLATE_FILE}); "
                 "copy the model's tokenizer_config.json or regenerate the synthetic tokenizer"
             )
-        return self._template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self._bos_token,
-            eos_token=self._eos_token,
-        )
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token,
+                eos_token=self._eos_token,
+            )
+        except jinja2.TemplateError as exc:  # the checkpoint's template refused these messages
+            raise K2Error(f"the chat template cannot render these messages: {exc}") from None
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """Token ids of the rendered chat, ending in the assistant's generation prompt.

@@ -150,7 +150,13 @@ class Journal:
     def __init__(self, out: Path, options: ExportOptions):
         self.path = out / JOURNAL_FILE
         self.options = asdict(options)
-        data = json.loads(self.path.read_text()) if self.path.exists() else {}
+        try:
+            data = json.loads(self.path.read_text()) if self.path.exists() else {}
+            if not isinstance(data, dict) or not isinstance(data.get("done", {}), dict):
+                raise ValueError("not an object of finished graphs")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise K2Error(f"{self.path}: the export journal is corrupt ({exc}); rerun export with --force to "
+                          f"start over") from None
         self.done: dict = data.get("done", {}) if data.get("options") == json.loads(json.dumps(self.options)) else {}
 
     def finished(self, job: GraphJob, out: Path) -> bool:
@@ -192,7 +198,12 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     graphs_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan(config, options.layers)
     _check_scales(checkpoint, jobs)
-    on_total(sum(_job_bytes(checkpoint, job) for job in jobs if not journal.finished(job, out)))
+    remaining = sum(_job_bytes(checkpoint, job) for job in jobs if not journal.finished(job, out))
+    free = shutil.disk_usage(out).free
+    if free < remaining * 1.05:  # the int8 lowering writes about the checkpoint's bytes too
+        raise K2Error(f"{out}: {free / 1e9:.1f} GB free, the export needs about {remaining / 1e9:.1f} GB more; "
+                      f"free some space and rerun (finished graphs are kept)")
+    on_total(remaining)
 
     traces: dict[str, tuple] = {}
     for job in jobs:

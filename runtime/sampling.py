@@ -31,6 +31,9 @@ class SamplingParams:
 
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """logits [vocab] float32 -> one token id."""
+    if not np.isfinite(logits).all():
+        raise K2Error("the model produced non-finite logits (NaN or inf); the artifact's weights or inputs are "
+                      "damaged, re-export it from a sound checkpoint")
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

@@ -8,6 +8,7 @@ q_lora, FP8 blocks with partial edges, YaRN) at a size the test suite runs in se
 
 from __future__ import annotations
 
+import difflib
 import json
 from typing import Any
 
@@ -148,4 +149,8 @@ def _apply_override(raw: dict, item: str) -> None:
         if not isinstance(target.get(part), dict):
             raise K2Error(f"--set {item!r}: {part!r} is not an object field of the config")
         target = target[part]
+    if leaf not in target:
+        close = difflib.get_close_matches(leaf, list(target), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise K2Error(f"--set {item!r}: the config has no field {leaf!r}{hint}")
     target[leaf] = value

@@ -108,6 +108,15 @@ def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSp
     return shards
 
 
+def _remove_stale_partials(out: Path) -> None:
+    """Removes `.NAME.partial-PID` folders an earlier run left when it was killed: those whose process is gone."""
+    for partial in out.parent.glob(f".{out.name}.partial-*"):
+        pid = partial.name.rpartition("-")[2]
+        if not pid.isdigit() or Path(f"/proc/{pid}").exists() or not partial.is_dir():
+            continue
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def write_checkpoint(
     out: Path,
     config: ModelConfig,
@@ -129,6 +138,7 @@ def write_checkpoint(
     if free < total * 1.02:
         raise K2Error(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
 
+    _remove_stale_partials(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
