@@ -34,16 +34,19 @@ from .scheduler import QueueFull
 
 OPEN_ROUTES = {"/health"}  # reachable without the API key
 RETRY_AFTER_S = "1"
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 class Service:
     """What the routes serve: the engine, the artifact's tokenizer and the model's name."""
 
-    def __init__(self, engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics):
+    def __init__(self, engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        self.max_request_bytes = max_request_bytes
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -64,11 +67,13 @@ class Service:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool) -> Response:
-        options = parse_options(parse_json(await request.body()), chat)
+        body = await self.read_body(request)
+        # parsing and tokenising a large body takes time: off the event loop, so /health and streams keep answering
+        options = await asyncio.to_thread(lambda: parse_options(parse_json(body), chat))
         if options.model != self.model_name:
             raise bad_request(f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
                               param="model", code="model_not_found")
-        prompt_ids = self.prompt_ids(options)
+        prompt_ids = await asyncio.to_thread(self.prompt_ids, options)
         params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
                                 max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
                                 stop_ids=tuple(self.tokenizer.stop_ids))
@@ -86,6 +91,19 @@ class Service:
         if options.stream:
             return GenerationStream(self.events(job, updates, reply, options.include_usage), job)
         return await self.collect(request, job, updates, reply)
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise _too_large(self.max_request_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise _too_large(self.max_request_bytes)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def prompt_ids(self, options: Options) -> list[int]:
         if options.chat:
@@ -195,6 +213,11 @@ class Gate:
         return hmac.compare_digest(given, self.expected)
 
 
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The request body exceeds this server's limit of {limit} bytes (--max-request-bytes).",
+                    code="request_too_large")
+
+
 def _error_response(error: ApiError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
@@ -216,8 +239,8 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics,
-              api_key: str | None = None) -> Starlette:
-    service = Service(engine, tokenizer, model_name, metrics)
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+    service = Service(engine, tokenizer, model_name, metrics, max_request_bytes)
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),

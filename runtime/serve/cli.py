@@ -7,7 +7,9 @@ libraries load when the command runs. `python -m k2deploy.runtime.serve ART ...`
 from __future__ import annotations
 
 import argparse
+import os
 import socket
+import sys
 from pathlib import Path
 
 from ...command import run_command
@@ -15,6 +17,9 @@ from ...errors import K2Error
 from ..tensorrt.cli import add_backend_argument
 
 DEFAULT_MAX_CONTEXT = 4096
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+API_KEY_VARIABLE = "K2DEPLOY_API_KEY"
 DESCRIPTION = ("Serve an exported artifact over OpenAI's API (GET /v1/models, POST /v1/completions and "
                "/v1/chat/completions, streamed or not) with continuous batching over the FP8 latent cache, "
                "plus GET /health and Prometheus GET /metrics. SIGTERM or Ctrl-C drains running requests, then exits.")
@@ -32,7 +37,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="positions per slot (prompt plus completion), capped by the model's context; the cache "
                              f"is allocated once for max-batch x max-context tokens (default: {DEFAULT_MAX_CONTEXT})")
-    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health")
+    parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (visible to "
+                                           f"other users in `ps`: prefer --api-key-file or ${API_KEY_VARIABLE})")
+    parser.add_argument("--api-key-file", help="read the API key from this file's first line")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                        help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                        help="seconds SIGTERM waits for running requests before it exits anyway; a second SIGTERM "
+                             f"exits at once (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
     parser.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
     add_backend_argument(parser)
     parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
@@ -57,6 +69,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
             raise K2Error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.max_queue < 0:
         raise K2Error(f"--max-queue must be at least 0, got {args.max_queue}")
+    if not 0 <= args.port <= 65535:
+        raise K2Error(f"--port {args.port} is not a TCP port; choose 0 to 65535 (0: any free port)")
+    if args.max_request_bytes < 1024:
+        raise K2Error(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
+    if args.drain_timeout < 0:
+        raise K2Error(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout}")
+    api_key = _api_key(args)
     try:
         import uvicorn
 
@@ -78,14 +97,49 @@ def cmd_serve(args: argparse.Namespace) -> None:
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
     model_name = args.model_name or artifact.resolve().name
-    app = build_app(engine, tokenizer, model_name, metrics, api_key=args.api_key)
+    app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes)
     listener = _bind(args.host, args.port)
     host, port = listener.getsockname()[:2]
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
           f"{args.provider if args.backend == 'onnxruntime' else args.backend})", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=None))
+    server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
+                                             timeout_graceful_shutdown=args.drain_timeout))
     server.run(sockets=[listener])
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $K2DEPLOY_API_KEY; an empty key is refused."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise K2Error(f"--api-key-file {args.api_key_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        key, source = (lines[0].strip() if lines else ""), f"--api-key-file {args.api_key_file}"
+    elif API_KEY_VARIABLE in os.environ:
+        key, source = os.environ[API_KEY_VARIABLE], f"${API_KEY_VARIABLE}"
+    else:
+        return None
+    if not key.strip():
+        raise K2Error(f"{source} is empty: an empty key would let anyone in; give a key or none at all")
+    return key
+
+
+def _draining_server(config):
+    """uvicorn's server, where a second SIGTERM (not only a second Ctrl-C) ends the drain at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                print("k2deploy serve: second signal, exiting without waiting for running requests", file=sys.stderr,
+                      flush=True)
+                os._exit(128 + sig)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
 
 
 def _bind(host: str, port: int) -> socket.socket:
