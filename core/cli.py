@@ -90,17 +90,32 @@ def cmd_export(args: argparse.Namespace) -> None:
     options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
                                      opset=args.opset, target=target)
     started = time.perf_counter()
-    with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or None, file=sys.stderr) as bar:
+    terminal = sys.stderr.isatty()
+    with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or not terminal, file=sys.stderr) as bar:
         shown = [""]
 
         def progress(nbytes: int, label: str) -> None:
             if shown[0] != label:
                 shown[0] = label
                 bar.set_description(label)
-            bar.update(nbytes)
+            bar.update(max(0, min(nbytes, (bar.total or 0) - bar.n)))  # never past the total
+
+        def graph(event: dict) -> None:
+            if "reused" in event:
+                if event["reused"] and not args.json:
+                    print(f"export: resuming: {event['reused']} graphs kept from the unfinished export, "
+                          f"{event['to_write']} to write", file=sys.stderr)
+            elif terminal:
+                bar.n = event["done_bytes"]  # the bar counts checkpoint bytes; the int8 lowering writes others
+                bar.refresh()
+            elif not args.json:  # a log, not a terminal: one line per graph
+                print(f"export: {event['stem']} written ({event['bytes'] / 1e6:.1f} MB in {event['seconds']:.1f} s)",
+                      file=sys.stderr, flush=True)
 
         manifest = exporter.export_artifact(options, Path(args.out), force=args.force, on_progress=progress,
-                                   on_total=lambda total: setattr(bar, "total", total))
+                                            on_total=lambda total: setattr(bar, "total", total), on_graph=graph)
+        bar.n = bar.total or bar.n
+        bar.refresh()
     summary = {"artifact": args.out, "graphs": len(manifest["graphs"]["layers"]) + 2 * manifest["complete"],
                "bytes": sum(r["bytes"] for r in manifest["files"].values()), "kv_cache": manifest["kv_cache"]["format"],
                "target": manifest["target"], "complete": manifest["complete"], "seconds": round(time.perf_counter() - started, 1)}

@@ -17,6 +17,7 @@ import importlib.util
 import json
 import platform
 import shutil
+import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from importlib import metadata
@@ -170,8 +171,11 @@ class Journal:
 
 def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                     on_progress: Callable[[int, str], None] = lambda n, what: None,
-                    on_total: Callable[[int], None] = lambda n: None) -> dict:
-    """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes."""
+                    on_total: Callable[[int], None] = lambda n: None,
+                    on_graph: Callable[[dict], None] = lambda event: None) -> dict:
+    """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes;
+    on_graph gets {"reused", "to_write"} once, then {"stem", "bytes", "seconds", "done_bytes"} per graph written,
+    where done_bytes counts the checkpoint bytes of the graphs finished so far (the unit of on_total)."""
     check_target(options.target)
     if options.opset not in SUPPORTED_OPSETS:
         raise K2Error(f"--opset {options.opset} is not supported; choose {SUPPORTED_OPSETS.start} to "
@@ -204,11 +208,15 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         raise K2Error(f"{out}: {free / 1e9:.1f} GB free, the export needs about {remaining / 1e9:.1f} GB more; "
                       f"free some space and rerun (finished graphs are kept)")
     on_total(remaining)
+    reused = sum(journal.finished(job, out) for job in jobs)
+    on_graph({"reused": reused, "to_write": len(jobs) - reused})
 
     traces: dict[str, tuple] = {}
+    done_bytes = 0
     for job in jobs:
         if journal.finished(job, out):
             continue
+        started = time.perf_counter()
         if job.kind not in traces:
             try:
                 traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target)
@@ -229,6 +237,9 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         records = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
                               on_bytes=lambda n, label=label: on_progress(n, label))
         journal.record(job, {f"{GRAPH_DIR}/{name}": record for name, record in records.items()})
+        done_bytes += _job_bytes(checkpoint, job)
+        on_graph({"stem": job.stem, "bytes": sum(r["bytes"] for r in records.values()),
+                  "seconds": time.perf_counter() - started, "done_bytes": done_bytes})
 
     tokenizer_files = _copy_tokenizer(Path(options.checkpoint), out)
     manifest = _manifest(options, config, jobs, traces, journal, tokenizer_files, out)

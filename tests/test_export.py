@@ -136,3 +136,25 @@ def test_kimi_k2_attention_dimensions_cache_at_656_bytes(tmp_path):
         assert info["kv_cache_bytes_per_token_per_layer"] == figure and not info["complete"]
         refused = run_cli("generate", out, "--prompt-ids", "1,2")
         assert refused.returncode == 2 and "holds only layers 1:2" in refused.stderr
+
+
+def test_progress_without_a_terminal_is_a_line_per_graph_and_a_resume_says_what_it_kept(tiny_checkpoint, tmp_path,
+                                                                                         monkeypatch):
+    out = tmp_path / "art"
+    real_write, written = exporter.write_graph, []
+
+    def write_then_die(model, functions, directory, stem, *args, **kwargs):
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        written.append(stem)
+        return real_write(model, functions, directory, stem, *args, **kwargs)
+
+    monkeypatch.setattr(exporter, "write_graph", write_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        export_artifact(ExportOptions(str(tiny_checkpoint)), out)
+    resumed = run_cli("export", tiny_checkpoint, "--out", out)  # stderr is a file here, not a terminal
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stderr.strip().splitlines()
+    assert lines[0] == "export: resuming: 2 graphs kept from the unfinished export, 3 to write"
+    assert [line.split()[1] for line in lines[1:]] == ["layer_001", "layer_002", "head"]
+    assert all(" written (" in line for line in lines[1:])
