@@ -217,7 +217,9 @@ def test_without_the_checkpoint_it_says_so_and_runs_without_the_baseline(tiny_ar
     manifest = json.loads((moved / "manifest.json").read_text())
     manifest["checkpoint"]["path"] = str(tmp_path / "deleted-checkpoint")
     (moved / "manifest.json").write_text(json.dumps(manifest))
-    doc = run_bench(BenchOptions(str(moved), batches=[1], prompt_lens=[4], baseline="eager", **FAST))
+    doc = run_bench(BenchOptions(str(moved), batches=[1], prompt_lens=[4], **FAST))  # the default: eager if it can
     validate(doc)
     assert doc["baseline"] is None and doc["cells"][0]["baseline"] is None
     assert any("deleted-checkpoint" in note and "is gone" in note for note in doc["notes"]), doc["notes"]
+    with pytest.raises(K2Error, match="--baseline eager: the checkpoint .* is gone"):  # asked for by name: an error
+        run_bench(BenchOptions(str(moved), batches=[1], prompt_lens=[4], baseline="eager", **FAST))

@@ -53,10 +53,9 @@ def _shards(manifest):
     return [os.path.join(root, f) for f in os.listdir(root) if f.endswith(".safetensors")]
 
 
-def test_an_interrupted_export_resumes_with_finished_graphs_kept(tiny_checkpoint, tmp_path, monkeypatch):
-    out = tmp_path / "art"
-    written = []
-    real_write = exporter.write_graph
+def _export_interrupted_after_two_graphs(checkpoint, out, monkeypatch) -> list[str]:
+    """Runs an export that a Ctrl-C stops after its second graph; -> the stems written."""
+    written, real_write = [], exporter.write_graph
 
     def write_then_die(model, functions, directory, stem, *args, **kwargs):
         if len(written) == 2:
@@ -66,12 +65,19 @@ def test_an_interrupted_export_resumes_with_finished_graphs_kept(tiny_checkpoint
 
     monkeypatch.setattr(exporter, "write_graph", write_then_die)
     with pytest.raises(KeyboardInterrupt):
-        export_artifact(ExportOptions(str(tiny_checkpoint)), out)
+        export_artifact(ExportOptions(str(checkpoint)), out)
+    monkeypatch.setattr(exporter, "write_graph", real_write)
+    return written
+
+
+def test_an_interrupted_export_resumes_with_finished_graphs_kept(tiny_checkpoint, tmp_path, monkeypatch):
+    out = tmp_path / "art"
+    real_write = exporter.write_graph
+    written = _export_interrupted_after_two_graphs(tiny_checkpoint, out, monkeypatch)
     assert not (out / MANIFEST_FILE).exists()
     with pytest.raises(K2Error, match="no manifest.json; the export is unfinished"):
         load_manifest(out)
     kept = {stem: (out / "graphs" / f"{stem}.data").stat().st_mtime_ns for stem in written}
-    monkeypatch.setattr(exporter, "write_graph", real_write)
     redone = []
     monkeypatch.setattr(exporter, "write_graph", lambda m, f, d, stem, *a, **k: redone.append(stem) or real_write(m, f, d, stem, *a, **k))
     export_artifact(ExportOptions(str(tiny_checkpoint)), out)
@@ -141,17 +147,7 @@ def test_kimi_k2_attention_dimensions_cache_at_656_bytes(tmp_path):
 def test_progress_without_a_terminal_is_a_line_per_graph_and_a_resume_says_what_it_kept(tiny_checkpoint, tmp_path,
                                                                                          monkeypatch):
     out = tmp_path / "art"
-    real_write, written = exporter.write_graph, []
-
-    def write_then_die(model, functions, directory, stem, *args, **kwargs):
-        if len(written) == 2:
-            raise KeyboardInterrupt
-        written.append(stem)
-        return real_write(model, functions, directory, stem, *args, **kwargs)
-
-    monkeypatch.setattr(exporter, "write_graph", write_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        export_artifact(ExportOptions(str(tiny_checkpoint)), out)
+    _export_interrupted_after_two_graphs(tiny_checkpoint, out, monkeypatch)
     resumed = run_cli("export", tiny_checkpoint, "--out", out)  # stderr is a file here, not a terminal
     assert resumed.returncode == 0, resumed.stderr
     lines = resumed.stderr.strip().splitlines()
