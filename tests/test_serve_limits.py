@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -103,7 +104,11 @@ def test_sigterm_drain_ends(tiny_artifacts, tmp_path, second_signal):
     http, stream, lines = _long_stream(server)
     try:
         server.process.send_signal(signal.SIGTERM)
-        if second_signal:
+        if second_signal:  # once the first is being handled: two signals sent at once may arrive as one
+            deadline = time.monotonic() + 60
+            while "Shutting down" not in server.stderr_path.read_text():
+                assert time.monotonic() < deadline and server.process.poll() is None, server.stderr_path.read_text()
+                time.sleep(0.05)
             server.process.send_signal(signal.SIGTERM)
         rest = _rest(lines)
         server.process.wait(timeout=120)
