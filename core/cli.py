@@ -200,7 +200,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     if args.json:
         _print_json(result)
     else:
-        print(f"passed: parity holds; the FP8 artifact is {result['artifact']}")
+        print(f"passed: parity holds; the cpu-lowered artifact is {result['artifact']}")
 
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
