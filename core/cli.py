@@ -102,6 +102,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 
         def graph(event: dict) -> None:
             if "reused" in event:
+                if not args.json:
+                    print(f"export: {event['tokenizer']}", file=sys.stderr, flush=True)
                 if event["reused"] and not args.json:
                     print(f"export: resuming: {event['reused']} graphs kept from the unfinished export, "
                           f"{event['to_write']} to write", file=sys.stderr)
@@ -126,12 +128,12 @@ def cmd_export(args: argparse.Namespace) -> None:
               f"target {summary['target']}) to {args.out} in {summary['seconds']} s")
 
 
-def _load_generator(args: argparse.Namespace):
+def _load_generator(args: argparse.Namespace, manifest=None):
     from .manifest import load_manifest
     from .runtime.generator import Generator
     from .runtime.tensorrt.factory import load_backend
 
-    return Generator(load_backend(args.backend, load_manifest(args.artifact), provider=args.provider,
+    return Generator(load_backend(args.backend, manifest or load_manifest(args.artifact), provider=args.provider,
                                   threads=args.threads))
 
 
@@ -142,34 +144,65 @@ def _prompt_ids(text: str) -> list[int]:
         raise K2Error(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
 
 
-def _tokenizer(artifact: str):
-    from .tokenizer import KimiTokenizer
+def _read_tools(path: str) -> list[dict]:
+    from .runtime.chat_tools import check_tools
 
-    return KimiTokenizer.from_dir(Path(artifact) / "tokenizer")
+    try:
+        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise K2Error(f"--tools {path}: cannot be read ({exc.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise K2Error(f"--tools {path}: not valid JSON ({exc})") from None
+    try:
+        return check_tools(tools, where=f"--tools {path}")
+    except K2Error as exc:
+        raise K2Error(f"{exc} (the file holds OpenAI's `tools` array)") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
+    from .manifest import load_manifest
+    from .runtime.chat_tools import ToolSteering
     from .runtime.sampling import SamplingParams
+    from .runtime.tool_calls import ToolCallParser
+    from .tokenizer_files import load_tokenizer
 
-    tokenizer = _tokenizer(args.artifact) if (Path(args.artifact) / "tokenizer").exists() else None
+    if args.tools and not args.chat:
+        raise K2Error("--tools needs --chat (tools are declared in the chat template)")
+    manifest = load_manifest(args.artifact)
+    tokenizer = load_tokenizer(Path(args.artifact) / "tokenizer", manifest.config.vocab_size)
+    tools = _read_tools(args.tools) if args.tools else None
+    steering = ToolSteering("", ())
     if args.prompt is not None:
         if tokenizer is None:
             raise K2Error(f"{args.artifact} carries no tokenizer; pass --prompt-ids instead of --prompt")
-        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+        if args.chat:
+            steering = ToolSteering.plan(tokenizer, tools, "auto" if tools else "none")
+            prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}], tools)
+        else:
+            prompt = tokenizer.encode(args.prompt)
     else:
         prompt = _prompt_ids(args.prompt_ids)
-    stop_ids = tuple(tokenizer.stop_ids) if tokenizer else ()
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                            max_new_tokens=args.max_new_tokens, stop_ids=stop_ids)
-    result = _load_generator(args).generate([prompt], params)[0]
-    text = tokenizer.decode(result.token_ids) if tokenizer else None
+                            max_new_tokens=args.max_new_tokens, stop_ids=tuple(tokenizer.stop_ids) if tokenizer else (),
+                            banned_ids=steering.banned_ids)
+    result = _load_generator(args, manifest).generate([prompt], params)[0]
+    text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
+    calls, finish_reason = [], result.finish_reason
+    if args.chat and text is not None:
+        parser = ToolCallParser()
+        parser.feed(text)
+        parser.finish()
+        text, calls = parser.content, [c.to_openai() for c in parser.calls]
+        finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
     if args.json:
-        _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "text": text,
-                     "finish_reason": result.finish_reason, "ttft_ms": round(result.ttft_ms, 3),
+        _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "text": text, "tool_calls": calls,
+                     "finish_reason": finish_reason, "ttft_ms": round(result.ttft_ms, 3),
                      "tpot_ms": round(result.tpot_ms, 3)})
     else:
         print(text if text is not None else ",".join(map(str, result.token_ids)))
-        print(f"[{len(result.token_ids)} tokens, {result.finish_reason}; ttft {result.ttft_ms:.1f} ms, "
+        for call in calls:
+            print(f"tool call {call['id']}: {call['function']['name']}({call['function']['arguments']})")
+        print(f"[{len(result.token_ids)} tokens, {finish_reason}; ttft {result.ttft_ms:.1f} ms, "
               f"tpot {result.tpot_ms:.1f} ms]", file=sys.stderr)
 
 
@@ -271,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text (encoded with the artifact's tokenizer)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")
     generate.add_argument("--chat", action="store_true", help="wrap --prompt in the chat template as a user turn")
+    generate.add_argument("--tools", metavar="FILE", help="with --chat: a JSON file holding OpenAI's `tools` array; "
+                                                           "the model may call them and the parsed calls are printed")
     generate.add_argument("--max-new-tokens", type=int, default=32, help="default: 32")
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")

@@ -29,7 +29,7 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
     from .runtime.generator import Generator
     from .runtime.ort_backend import OrtModel
     from .runtime.sampling import SamplingParams
-    from .tokenizer import KimiTokenizer
+    from .tokenizer_files import load_tokenizer
 
     rows = []
 
@@ -61,11 +61,11 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
                     f"{parity[case]['greedy_identical_tokens']}/32 identical, teacher-forced agreement "
                     f"{forced['argmax_agreement']:.0%}, mean |dlogit| {forced['mean_abs_logit_error']:.3f}")
     started = time.perf_counter()
-    tokenizer = KimiTokenizer.from_dir(out / "artifact-cpu" / "tokenizer")
+    tokenizer = load_tokenizer(out / "artifact-cpu" / "tokenizer")
     generation = generators["cpu"].generate([tokenizer.encode("The quick brown fox")],
                                             SamplingParams(max_new_tokens=24, stop_ids=tuple(tokenizer.stop_ids)))[0]
     step("generate (cpu target)", started, result=f"{len(generation.token_ids)} tokens, ttft {generation.ttft_ms:.1f} ms, "
-         f"tpot {generation.tpot_ms:.1f} ms", text=tokenizer.decode(generation.token_ids))
+         f"tpot {generation.tpot_ms:.1f} ms", text=tokenizer.decode(generation.token_ids, skip_special=True))
     failures = [case for case in ("bf16", "fp8") if parity[case]["score_max_abs_difference"] > SCORE_TOLERANCE]
     if parity["cpu"]["score_max_abs_difference"] > CPU_SCORE_TOLERANCE:
         failures.append("cpu")

@@ -14,19 +14,16 @@ import base64
 import itertools
 import json
 import re
-import secrets
 from collections import Counter
 from pathlib import Path
 
 import jinja2
 import tiktoken
-from jinja2.sandbox import SandboxedEnvironment
 
+from .chat_template import ChatTokenizer, read_template
 from .errors import K2Error
+from .tokenizer_files import CONFIG_FILE, TIKTOKEN_FILE
 
-TIKTOKEN_FILE = "tiktoken.model"
-CONFIG_FILE = "tokenizer_config.json"
-TEMPLATE_FILE = "chat_template.jinja"
 NUM_SPECIAL = 256
 MIN_VOCAB = 512
 
@@ -76,9 +73,14 @@ _ADDITIONAL_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|star
 
 DEFAULT_SYSTEM_PROMPT = "You are Kimi, an AI assistant created by Moonshot AI."
 
-# Kimi-K2-Instruct's own template, rendered as Hugging Face does, leaves a newline after
-# the default system turn (and only there); this one reproduces that string exactly.
+# Kimi-K2-Instruct's chat format: tools declared first in a `tool_declare` system turn (compact JSON), the
+# default system turn when the chat has none (Kimi's own template, rendered as Hugging Face does, leaves a
+# newline after it and only there), an assistant's calls in its tool-call section, and a tool result as
+# `## Return of CALL_ID` under the tool's name.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}"
+    "<|im_system|>tool_declare<|im_middle|>{{ tools | tojson(separators=(',', ':')) }}<|im_end|>"
+    "{%- endif -%}"
     "{%- if not messages or messages[0]['role'] != 'system' -%}"
     "<|im_system|>system<|im_middle|>" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>{{ '\\n' }}"
     "{%- endif -%}"
@@ -87,12 +89,25 @@ CHAT_TEMPLATE = (
     "{%- elif message['role'] == 'assistant' -%}<|im_assistant|>"
     "{%- else -%}<|im_system|>"
     "{%- endif -%}"
-    "{{ message.get('name') or message['role'] }}<|im_middle|>{{ message['content'] or '' }}<|im_end|>"
+    "{{ message.get('name') or message['role'] }}<|im_middle|>"
+    "{%- if message['role'] == 'tool' -%}## Return of {{ message.get('tool_call_id') }}{{ '\\n' }}{%- endif -%}"
+    "{{ message['content'] or '' }}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}"
+    "<|tool_calls_section_begin|>"
+    "{%- for call in message['tool_calls'] -%}"
+    "<|tool_call_begin|>{{ call['id'] }}<|tool_call_argument_begin|>"
+    "{%- if call['function']['arguments'] is string -%}{{ call['function']['arguments'] }}"
+    "{%- else -%}{{ call['function']['arguments'] | tojson }}{%- endif -%}"
+    "<|tool_call_end|>"
+    "{%- endfor -%}"
+    "<|tool_calls_section_end|>"
+    "{%- endif -%}"
+    "<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
 
-_CORPUS = """\
+TRAINING_TEXT = """\
 The harbour town wakes before the sun. Fishing boats leave the quay one after another,
 their engines coughing in the cold air, and the gulls follow them out past the lighthouse.
 By the time the bakery opens its shutters, the first crates of mackerel and cod are
@@ -120,7 +135,7 @@ Tomorrow the gulls will be waiting again, and the whole story will begin once mo
 
 # An ASCII stand-in for PAT_STR (which needs a Unicode-aware regex engine) that splits
 # the English corpus the same way, so learned merges never span a Kimi split boundary.
-_CORPUS_SPLIT = re.compile(r"[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s+")
+_TRAINING_TEXT_SPLIT = re.compile(r"[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s+")
 
 
 def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
@@ -143,7 +158,7 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
 def _build_ranks(count: int) -> list[bytes]:
     """The 256 single bytes, then merges learned from the corpus, then unique fillers."""
     ranks = [bytes([b]) for b in range(256)]
-    ranks += _learn_merges(_CORPUS, count - len(ranks))
+    ranks += _learn_merges(TRAINING_TEXT, count - len(ranks))
     ranks += _fillers(set(ranks), count - len(ranks))
     return ranks
 
@@ -151,7 +166,7 @@ def _build_ranks(count: int) -> list[bytes]:
 def _learn_merges(text: str, limit: int) -> list[bytes]:
     """Byte-pair merges, most frequent pair first (ties broken by the pair's bytes)."""
     words = [([bytes([b]) for b in word.encode("utf-8")], n)
-             for word, n in Counter(_CORPUS_SPLIT.findall(text)).items()]
+             for word, n in Counter(_TRAINING_TEXT_SPLIT.findall(text)).items()]
     merges: list[bytes] = []
     while len(merges) < limit:
         pairs: Counter[tuple[bytes, bytes]] = Counter()
@@ -212,26 +227,19 @@ def _config(first_special: int) -> dict:
     }
 
 
-# Hugging Face renders chat templates with these settings; matching them keeps the real
-# Kimi templates' whitespace. The plain sandbox (not the immutable one) lets Kimi's
-# tool-call templates append to their namespace lists.
-_JINJA = SandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-# Jinja's own tojson HTML-escapes and takes no separators; Kimi's templates expect json.dumps.
-_JINJA.filters["tojson"] = lambda value, **kwargs: json.dumps(value, ensure_ascii=False, **kwargs)
-
-
-class KimiTokenizer:
+class KimiTokenizer(ChatTokenizer):
     """Encodes and decodes text, and renders chats, as Kimi K2's own tokenizer does."""
 
-    def __init__(self, ranks: dict[bytes, int], special_ids: dict[str, int], bos_token: str,
+    def __init__(self, ranks: dict[bytes, int], special_ids: dict[str, int], skipped: set[int], bos_token: str,
                  eos_token: str, chat_template: jinja2.Template | None) -> None:
         self.special_ids = special_ids
+        self.skipped = skipped  # special ids a decode that skips specials leaves out (not the tool-call markers)
         self.bos_id = special_ids[bos_token]
         self.eos_id = special_ids[eos_token]
         self.stop_ids = tuple(i for i in (self.eos_id, special_ids.get("<|im_end|>")) if i is not None)
-        self._bos_token = bos_token
-        self._eos_token = eos_token
+        self.template_variables = {"bos_token": bos_token, "eos_token": eos_token}
         self._template = chat_template
+        self._tool_template = None
         self._encoding = tiktoken.Encoding(
             name="kimi", pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=special_ids
         )
@@ -244,11 +252,11 @@ class KimiTokenizer:
         ranks = _read_ranks(folder / TIKTOKEN_FILE)
         config_path = folder / CONFIG_FILE
         config = _read_config(config_path)
-        special_ids = _special_ids(config_path, config, first=len(ranks))
+        special_ids, skipped = _special_ids(config_path, config, first=len(ranks))
         bos_token = _token_name(config_path, config, "bos_token", "[BOS]", special_ids)
         eos_token = _token_name(config_path, config, "eos_token", "[EOS]", special_ids)
-        template = _read_template(folder, config_path, config)
-        return cls(ranks, special_ids, bos_token, eos_token, template)
+        template = read_template(folder, config_path, config)
+        return cls(ranks, special_ids, skipped, bos_token, eos_token, template)
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids for ``text``; special-token names in it are plain text unless allowed."""
@@ -256,68 +264,12 @@ class KimiTokenizer:
             return self._encoding.encode(text, allowed_special="all")
         return self._encoding.encode(text, disallowed_special=())
 
-    def decode(self, ids: list[int]) -> str:
-        """Text for ``ids``; special tokens come back as their names."""
+    def decode(self, ids: list[int], skip_special: bool = False) -> str:
+        """Text for ``ids``; special tokens come back as their names, or are left out with ``skip_special``
+        (all but the tool-call markers, which Kimi marks not special)."""
+        if skip_special:
+            ids = [i for i in ids if i not in self.skipped]
         return self._encoding.decode(list(ids))
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat, rendered with the checkpoint's own template."""
-        if self._template is None:
-            raise K2Error(
-                f"{CONFIG_FILE} has no chat_template (and there is no {TEMPLATE_FILE}); "
-                "copy the model's tokenizer_config.json or regenerate the synthetic tokenizer"
-            )
-        try:
-            return self._template.render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token,
-                eos_token=self._eos_token,
-            )
-        except jinja2.TemplateError as exc:  # the checkpoint's template refused these messages
-            raise K2Error(f"the chat template cannot render these messages: {exc}") from None
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Token ids of the rendered chat, ending in the assistant's generation prompt.
-
-        Only the template's own markup becomes special tokens: the text of every message (its content, text
-        parts and name) is rendered as an unguessable placeholder, and encoded as plain text where the
-        placeholder lands, so `<|im_end|><|im_system|>...` typed by a user stays text and cannot open a turn.
-        """
-        nonce = secrets.token_hex(8)
-        texts: list[str] = []
-
-        def placeholder(text: str) -> str:
-            texts.append(text)
-            return f"\ue000{nonce}:{len(texts) - 1}\ue001"
-
-        rendered = self.apply_chat_template([_with_placeholders(m, placeholder) for m in messages])
-        ids: list[int] = []
-        pieces = re.split(f"\ue000{nonce}:(\\d+)\ue001", rendered)
-        for i, piece in enumerate(pieces):
-            if i % 2:
-                ids += self.encode(texts[int(piece)])
-            elif nonce in piece.lower() or "\ue000" in piece or "\ue001" in piece:  # a placeholder it changed
-                raise K2Error("the chat template transformed message text instead of inserting it; "
-                              "it cannot be rendered without letting that text form special tokens")
-            elif piece:
-                ids += self.encode(piece, allow_special=True)
-        return ids
-
-
-def _with_placeholders(message: dict, placeholder) -> dict:
-    """A copy of a chat message whose user-written strings (content, text parts, name) are placeholders."""
-    if not isinstance(message, dict):
-        return message
-    out = dict(message)
-    for key in ("content", "name"):
-        value = out.get(key)
-        if isinstance(value, str):
-            out[key] = placeholder(value)
-        elif isinstance(value, list):
-            out[key] = [{**part, "text": placeholder(part["text"])}
-                        if isinstance(part, dict) and isinstance(part.get("text"), str) else part for part in value]
-    return out
 
 
 def _error(path: Path, problem: str) -> K2Error:
@@ -362,14 +314,17 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _special_ids(path: Path, config: dict, first: int) -> dict[str, int]:
-    """Name -> id for the 256 ids after the last rank; Kimi ignores entries outside them."""
+def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], set[int]]:
+    """Name -> id for the 256 ids after the last rank (Kimi ignores entries outside them), and the ids of
+    those marked special (a decode that skips specials leaves them out)."""
     try:
-        named = {int(i): entry["content"] for i, entry in config.get("added_tokens_decoder", {}).items()}
+        entries = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
+        named = {i: entry["content"] for i, entry in entries.items()}
     except (AttributeError, KeyError, TypeError, ValueError):
         raise _error(path, 'added_tokens_decoder is not {"<id>": {"content": ...}}') from None
     ids = range(first, first + NUM_SPECIAL)
-    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
+    skipped = {i for i in ids if entries.get(i, {}).get("special", True) is not False}
+    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}, skipped
 
 
 def _token_name(path: Path, config: dict, key: str, default: str, special_ids: dict[str, int]) -> str:
@@ -379,17 +334,3 @@ def _token_name(path: Path, config: dict, key: str, default: str, special_ids: d
     if name not in special_ids:
         raise _error(path, f"{key} {name!r} is not one of the special tokens")
     return name
-
-
-def _read_template(folder: Path, config_path: Path, config: dict) -> jinja2.Template | None:
-    """The chat template from the config, else from chat_template.jinja as newer Kimi repos ship it."""
-    source, path = config.get("chat_template"), config_path
-    if source is None and (folder / TEMPLATE_FILE).is_file():
-        path = folder / TEMPLATE_FILE
-        source = path.read_text(encoding="utf-8")
-    if source is None:
-        return None
-    try:
-        return _JINJA.from_string(source)
-    except (jinja2.TemplateSyntaxError, TypeError) as e:
-        raise _error(path, f"its chat template does not parse ({e})") from None

@@ -33,6 +33,7 @@ from ..errors import K2Error
 from ..json_files import write_json_atomically
 from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
 from ..targets import check_target, default_target
+from ..tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
 from .onnx_graph import TracingError, io_spec, trace, write_graph
@@ -40,7 +41,6 @@ from .onnx_graph import TracingError, io_spec, trace, write_graph
 GRAPH_DIR = "graphs"
 TOKENIZER_DIR = "tokenizer"
 JOURNAL_FILE = ".export-journal.json"
-TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
 DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
 SUPPORTED_OPSETS = range(21, 25)  # each exported and run end to end in tests/test_export_refusals.py
 
@@ -174,7 +174,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                     on_total: Callable[[int], None] = lambda n: None,
                     on_graph: Callable[[dict], None] = lambda event: None) -> dict:
     """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes;
-    on_graph gets {"reused", "to_write"} once, then {"stem", "bytes", "seconds", "done_bytes"} per graph written,
+    on_graph gets {"reused", "to_write", "tokenizer" (one line: what was found)} once, then {"stem", "bytes", "seconds", "done_bytes"} per graph written,
     where done_bytes counts the checkpoint bytes of the graphs finished so far (the unit of on_total)."""
     check_target(options.target)
     if options.opset not in SUPPORTED_OPSETS:
@@ -189,7 +189,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         raise K2Error(f"--kv-cache int8 is the cpu target's cache; --target {options.target} keeps fp8 or bf16")
     checkpoint = Checkpoint.open(options.checkpoint)
     config = checkpoint.config
-    _check_tokenizer(Path(options.checkpoint))
+    tokenizer = _check_tokenizer(Path(options.checkpoint), config.vocab_size)
     if config.fp8_block is None:
         raise K2Error(f"{options.checkpoint}: export needs FP8 weights (a quantization_config with weight_block_size)")
     if options.layers is not None:
@@ -209,7 +209,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                       f"free some space and rerun (finished graphs are kept)")
     on_total(remaining)
     reused = sum(journal.finished(job, out) for job in jobs)
-    on_graph({"reused": reused, "to_write": len(jobs) - reused})
+    on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer})
 
     traces: dict[str, tuple] = {}
     done_bytes = 0
@@ -265,13 +265,13 @@ def _refuse_out_in_checkpoint(checkpoint: Path, out: Path) -> None:
         raise K2Error(f"--out {out} is the checkpoint folder or inside it; write the artifact elsewhere")
 
 
-def _check_tokenizer(checkpoint: Path) -> None:
-    """A tokenizer the runtime will load is loaded now, so that a broken one fails the export, not generate."""
-    if not (checkpoint / "tiktoken.model").exists() or importlib.util.find_spec("tiktoken") is None:
-        return
-    from ..tokenizer import KimiTokenizer
-
-    KimiTokenizer.from_dir(checkpoint)  # a K2Error naming the file when it is broken
+def _check_tokenizer(checkpoint: Path, vocab_size: int) -> str:
+    """A tokenizer the runtime will load is loaded now (where its library is installed), so that a broken one
+    fails the export, not generate; returns one line saying what was and was not found."""
+    kind = tokenizer_kind(checkpoint)
+    if kind is not None and importlib.util.find_spec(kind) is not None:  # the kind is its library's name
+        load_tokenizer(checkpoint, vocab_size)  # a K2Error naming the file when it is broken
+    return describe_tokenizer(checkpoint)
 
 
 def _prepare(out: Path, force: bool) -> None:
@@ -361,7 +361,8 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
             "shared_traces": "decoder layers of one structure (dense, moe) share one traced graph; "
                              "each layer's .onnx carries its own weights in its own .data file",
         },
-        "tokenizer": {"dir": TOKENIZER_DIR, "files": tokenizer_files} if tokenizer_files else None,
+        "tokenizer": ({"dir": TOKENIZER_DIR, "kind": tokenizer_kind(Path(options.checkpoint)), "files": tokenizer_files}
+                      if tokenizer_files else None),
         "files": dict(sorted(files.items())),
         "versions": _versions(),
     }

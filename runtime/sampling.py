@@ -17,6 +17,7 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 32
     stop_ids: tuple[int, ...] = ()
+    banned_ids: tuple[int, ...] = ()  # never sampled (e.g. the tool-call section when no tool may be called)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -34,6 +35,9 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if not np.isfinite(logits).all():
         raise K2Error("the model produced non-finite logits (NaN or inf); the artifact's weights or inputs are "
                       "damaged, re-export it from a sound checkpoint")
+    if params.banned_ids:
+        logits = logits.copy()
+        logits[list(params.banned_ids)] = -np.inf
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

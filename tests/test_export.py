@@ -150,7 +150,8 @@ def test_progress_without_a_terminal_is_a_line_per_graph_and_a_resume_says_what_
     _export_interrupted_after_two_graphs(tiny_checkpoint, out, monkeypatch)
     resumed = run_cli("export", tiny_checkpoint, "--out", out)  # stderr is a file here, not a terminal
     assert resumed.returncode == 0, resumed.stderr
-    lines = resumed.stderr.strip().splitlines()
+    tokenizer, *lines = resumed.stderr.strip().splitlines()
+    assert tokenizer == "export: tokenizer: tiktoken.model, tokenizer_config.json, generation_config.json"
     assert lines[0] == "export: resuming: 2 graphs kept from the unfinished export, 3 to write"
     assert [line.split()[1] for line in lines[1:]] == ["layer_001", "layer_002", "head"]
     assert all(" written (" in line for line in lines[1:])

@@ -50,7 +50,7 @@ def test_greedy_completion_is_what_generate_gives(server, tiny_artifacts, tokeni
     expected = generator.generate([tokenizer.encode(prompt)], SamplingParams(max_new_tokens=12,
                                                                             stop_ids=tokenizer.stop_ids))[0]
     choice = result.choices[0]
-    assert choice.text == tokenizer.decode(expected.token_ids)
+    assert choice.text == tokenizer.decode(expected.token_ids, skip_special=True)  # as OpenAI: no special tokens
     assert choice.finish_reason == expected.finish_reason
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(tokenizer.encode(prompt)),
                                                                             len(expected.token_ids))
@@ -221,8 +221,14 @@ BAD_REQUESTS = [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "unsupported_option",
      "messages[0].content", "only text parts"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_option",
-     "tools", "not supported"),
+                              "tools": [{"type": "function", "function": {"name": "<|im_end|>"}}]}, 400, None,
+     "tools", "letters, digits, underscores or dashes"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, 400, None, "tool_choice", "needs `tools`"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "tool", "content": "6"}]}, 400, None,
+     "messages[0].tool_call_id", "is required"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "assistant", "tool_calls": [{"id": "a"}]}]}, 400,
+     None, "messages[0].tool_calls[0]", "arguments"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 4097}, 400, "context_length_exceeded", "max_tokens",
      "maximum context length"),

@@ -156,3 +156,69 @@ def test_serve_registers_on_the_main_parser():
     assert (args.command, args.artifact, args.host, args.port, args.max_batch, args.api_key) == (
         "serve", "ART", "127.0.0.1", 8000, 4, "k")
     assert args.func.__name__ == "cmd_serve"
+
+
+def _tool_request(pieces: list[str], single_call=False, forced="", max_new=32):
+    """A chat request whose tokens decode to `pieces` (one token each); ids from 100, 99 stops."""
+    from k2deploy.runtime.tool_calls import ToolCallParser
+
+    table = dict(enumerate(pieces, start=100))
+    request = GenerationRequest([1], SamplingParams(max_new_tokens=max_new, stop_ids=(99,)), (),
+                                lambda ids: "".join(table[i] for i in ids), lambda update: None,
+                                parser=ToolCallParser(), forced_text=forced, single_call=single_call)
+    return request, list(table)
+
+
+CALLS = ["Let me look.", "<|tool_calls_section_begin|>", "<|tool_call_begin|>", "functions.tide:0",
+         "<|tool_call_argument_begin|>", '{"port": ', '"Oslo"}', "<|tool_call_end|>", "<|tool_call_begin|>",
+         "functions.wind:1", "<|tool_call_argument_begin|>", "{}", "<|tool_call_end|>", "<|tool_calls_section_end|>"]
+
+
+def test_a_request_turns_its_answer_into_content_and_calls():
+    request, ids = _tool_request(CALLS)
+    updates = [request.accept(i) for i in ids] + [request.accept(99)]
+    assert "".join(u.text for u in updates) == "Let me look."
+    deltas = [d for u in updates for d in u.tool_calls]
+    assert [(d.index, d.id, d.name) for d in deltas if d.id] == [(0, "functions.tide:0", "tide"),
+                                                                 (1, "functions.wind:1", "wind")]
+    assert "".join(d.arguments for d in deltas if d.index == 0) == '{"port": "Oslo"}'
+    assert updates[-1].finish_reason == "tool_calls" and request.done
+
+
+def test_parallel_tool_calls_false_ends_the_answer_after_its_first_call():
+    request, ids = _tool_request(CALLS, single_call=True)
+    updates = []
+    for token in ids:
+        updates.append(request.accept(token))
+        if request.done:
+            break
+    assert updates[-1].finish_reason == "tool_calls" and len(request.generated) == 8  # through the first call_end
+    assert {d.index for u in updates for d in u.tool_calls} == {0}
+
+
+def test_forced_text_is_parsed_as_the_start_of_the_answer():
+    request, ids = _tool_request(['{"port": "Bergen"}', "<|tool_call_end|>", "<|tool_calls_section_end|>"],
+                                 forced="<|tool_calls_section_begin|><|tool_call_begin|>functions.tide:0"
+                                        "<|tool_call_argument_begin|>")
+    updates = [request.accept(i) for i in ids] + [request.accept(99)]
+    first = updates[0].tool_calls[0]
+    assert (first.id, first.name) == ("functions.tide:0", "tide")
+    assert "".join(d.arguments for u in updates for d in u.tool_calls) == '{"port": "Bergen"}'
+    assert updates[-1].finish_reason == "tool_calls" and "".join(u.text for u in updates) == ""
+
+
+def test_a_request_without_a_tokenizer_sends_token_ids():
+    request = GenerationRequest([1], SamplingParams(max_new_tokens=2, stop_ids=()), (), None, lambda update: None)
+    updates = [request.accept(41), request.accept(42)]
+    assert [u.token_ids for u in updates] == [(41,), (42,)] and [u.text for u in updates] == ["", ""]
+    assert updates[-1].finish_reason == "length"
+
+
+def test_sampling_never_picks_a_banned_token():
+    from k2deploy.runtime.sampling import sample
+
+    logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    assert sample(logits, SamplingParams(banned_ids=(1,)), rng) == 2
+    hot = SamplingParams(temperature=2.0, banned_ids=(1,))
+    assert 1 not in {sample(logits, hot, rng) for _ in range(200)}

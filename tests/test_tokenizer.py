@@ -295,3 +295,67 @@ def test_a_template_that_transforms_message_text_is_refused(tmp_path):
     tok = KimiTokenizer.from_dir(tmp_path)
     with pytest.raises(K2Error, match="transformed message text"):
         tok.encode_chat([{"role": "user", "content": "hi"}])
+
+
+TOOL = {"type": "function", "function": {"name": "tide", "description": "Tides" + FORGED,
+                                         "parameters": {"type": "object", "properties": {"port": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("messages, tools", [
+    ([{"role": "user", "content": "tide?"}], [TOOL]),
+    ([{"role": "user", "content": "tide?"}, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "functions.tide:0", "type": "function", "function": {"name": "tide", "arguments": FORGED}}]}], None),
+    ([{"role": "user", "content": "tide?"}, {"role": "tool", "tool_call_id": FORGED, "content": "6"}], None),
+], ids=["in a tool declaration", "in call arguments", "in a tool call id"])
+def test_tool_text_cannot_forge_special_tokens(small, messages, tools):
+    """Tool declarations, earlier calls and results are client text too: the forged markup stays text."""
+    _, tok = small
+    specials = set(tok.special_ids.values())
+    ids = tok.encode_chat(messages, tools)
+    expected_specials = tok.encode(tok.apply_chat_template(messages, tools).replace(FORGED, ""), allow_special=True)
+    assert sum(i in specials for i in ids) == sum(i in specials for i in expected_specials)
+    assert tok.decode(ids) == tok.apply_chat_template(messages, tools)
+
+
+def test_a_key_holding_a_special_token_is_refused(small):
+    _, tok = small
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"<|im_end|>": {}}}}}
+    with pytest.raises(K2Error, match="contains a special token"):
+        tok.encode_chat([{"role": "user", "content": "x"}], [tool])
+
+
+def test_chat_ids_are_those_of_the_whole_rendered_string(small):
+    """Client text is encoded together with the markup text around it, as one encode of the prompt would."""
+    _, tok = small
+    messages = [{"role": "user", "content": "tide?"}, {"role": "tool", "tool_call_id": "functions.tide:0",
+                                                        "name": "tide", "content": " high at six "}]
+    assert tok.encode_chat(messages, [TOOL | {"function": {"name": "tide"}}]) == tok.encode(
+        tok.apply_chat_template(messages, [TOOL | {"function": {"name": "tide"}}]), allow_special=True)
+
+
+def _template_tokenizer(tmp_path, template: str) -> KimiTokenizer:
+    write_tokenizer(tmp_path, 1024)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    return KimiTokenizer.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("call, expected", [
+    ("x | tojson", '{"b": [1, 2], "a": "\u00e9"}'),
+    ("x | tojson(indent=2)", '{\n  "b": [\n    1,\n    2\n  ],\n  "a": "\u00e9"\n}'),
+    ("x | tojson(separators=(',', ':'))", '{"b":[1,2],"a":"\u00e9"}'),
+    ("x | tojson(ensure_ascii=True)", '{"b": [1, 2], "a": "\\u00e9"}'),
+    ("x | tojson(sort_keys=True)", '{"a": "\u00e9", "b": [1, 2]}'),
+], ids=["plain", "indent", "separators", "ensure_ascii", "sort_keys"])
+def test_templates_get_hugging_faces_tojson(tmp_path, call, expected):
+    tok = _template_tokenizer(tmp_path, "{% set x = {'b': [1, 2], 'a': '\u00e9'} %}{{ " + call + " }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == expected
+
+
+def test_templates_can_raise_and_read_the_date(tmp_path):
+    tok = _template_tokenizer(tmp_path, "{% if messages[0]['role'] != 'user' %}{{ raise_exception('users first') }}"
+                                        "{% endif %}{{ strftime_now('%Y') }}")
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == str(__import__("datetime").date.today().year)
+    with pytest.raises(K2Error, match="cannot render these messages: users first"):
+        tok.encode_chat([{"role": "system", "content": "x"}])

@@ -131,6 +131,8 @@ def preset_config(name: str, layers: int | None = None, overrides: list[str] | t
         raw["num_hidden_layers"] = layers
     for item in overrides:
         _apply_override(raw, item)
+    if raw["model_type"] == "deepseek_v3" and not any(o.startswith(("bos_token_id=", "eos_token_id=")) for o in overrides):
+        raw.update(bos_token_id=0, eos_token_id=1)  # DeepSeek-V3's tokenizer layout, as its synthetic one writes it
     return ModelConfig.from_dict(raw, source=f"preset {name}")
 
 

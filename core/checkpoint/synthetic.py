@@ -161,7 +161,13 @@ def write_checkpoint(
         (partial / "config.json").write_text(json.dumps(config.to_dict(), indent=2) + "\n")
         generation = {"bos_token_id": config.bos_token_id, "eos_token_id": config.eos_token_id, "do_sample": False}
         (partial / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
-        write_tokenizer(partial, config.vocab_size)
+        if config.model_type == "deepseek_v3":  # DeepSeek-V3's own format: a tokenizer.json
+            from ..hf_tokenizer import write_hf_tokenizer
+            from ..tokenizer import TRAINING_TEXT
+
+            write_hf_tokenizer(partial, config.vocab_size, TRAINING_TEXT, config.bos_token_id, config.eos_token_id)
+        else:
+            write_tokenizer(partial, config.vocab_size)
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)

@@ -22,9 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ...chat_template import ChatTokenizer
 from ...errors import K2Error
-from ...tokenizer import KimiTokenizer
+from ..chat_tools import ToolSteering
 from ..sampling import SamplingParams
+from ..tool_calls import ToolCallParser
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, max_new_tokens, models_list, parse_json,
@@ -38,9 +40,9 @@ DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 class Service:
-    """What the routes serve: the engine, the artifact's tokenizer and the model's name."""
+    """What the routes serve: the engine, the artifact's tokenizer (None: token ids only) and the model's name."""
 
-    def __init__(self, engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics,
+    def __init__(self, engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, metrics: ServerMetrics,
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -73,14 +75,19 @@ class Service:
         if options.model != self.model_name:
             raise bad_request(f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
                               param="model", code="model_not_found")
-        prompt_ids = await asyncio.to_thread(self.prompt_ids, options)
+        prompt_ids, steering = await asyncio.to_thread(self.prompt_ids, options)
         params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
                                 max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
-                                stop_ids=tuple(self.tokenizer.stop_ids))
+                                stop_ids=tuple(self.tokenizer.stop_ids) if self.tokenizer else (),
+                                banned_ids=steering.banned_ids)
         updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
         loop = asyncio.get_running_loop()
-        job = GenerationRequest(prompt_ids, params, options.stop, self.tokenizer.decode,
-                                deliver=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update))
+        tokenizer = self.tokenizer
+        job = GenerationRequest(prompt_ids, params, options.stop,
+                                (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
+                                deliver=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
+                                parser=ToolCallParser() if chat else None, forced_text=steering.forced_text,
+                                single_call=not options.parallel_tool_calls)
         try:
             self.engine.submit(job)
         except QueueFull:
@@ -105,33 +112,44 @@ class Service:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def prompt_ids(self, options: Options) -> list[int]:
+    def prompt_ids(self, options: Options) -> tuple[list[int], ToolSteering]:
+        """The prompt's token ids (with any tokens tool_choice forces the answer to begin with) and the steering."""
+        if self.tokenizer is None and (options.chat or isinstance(options.prompt, str)):
+            raise bad_request("This artifact has no tokenizer, so it takes no text: send `prompt` to /v1/completions "
+                              "as an array of token ids.", param="messages" if options.chat else "prompt",
+                              code="no_tokenizer")
+        if self.tokenizer is None and options.stop:
+            raise bad_request("`stop` strings need a tokenizer, which this artifact does not have.", param="stop")
         if options.chat:
             try:
-                return self.tokenizer.encode_chat(options.messages)
-            except (jinja2.TemplateError, K2Error) as exc:  # K2Error: the tokenizer has no chat template
+                steering = ToolSteering.plan(self.tokenizer, options.tools, options.tool_choice)
+                ids = self.tokenizer.encode_chat(options.messages, options.tools)
+            except (jinja2.TemplateError, K2Error) as exc:  # K2Error: no chat template, or no tool-call tokens
                 raise bad_request(f"The chat template cannot render these messages: {exc}", param="messages") from None
+            return ids + steering.forced_ids(self.tokenizer), steering
         if isinstance(options.prompt, str):
-            return self.tokenizer.encode(options.prompt)
+            return self.tokenizer.encode(options.prompt), ToolSteering("", ())
         vocab = self.engine.model.config.vocab_size
         outside = [t for t in options.prompt if not 0 <= t < vocab]
         if outside:
             raise bad_request(f"Token id {outside[0]} in `prompt` is outside the vocabulary [0, {vocab}).",
                               param="prompt")
-        return list(options.prompt)
+        return list(options.prompt), ToolSteering("", ())
 
     async def collect(self, request: Request, job: GenerationRequest, updates: asyncio.Queue, reply: Reply) -> Response:
         """A whole (non-streamed) answer; stops waiting, and cancels the request, if the client disconnects."""
         watcher = asyncio.create_task(_watch_disconnect(request, job, updates))
         try:
-            parts = []
+            parts, calls = [], ToolCallsAssembly()
             while (update := await updates.get()) is not None:
                 if update.error:
                     raise ApiError(500, update.error, type="server_error")
                 parts.append(update.text)
+                calls.add(update.tool_calls)
                 if update.finish_reason:
                     counts = usage(len(job.prompt_ids), len(job.generated))
-                    return JSONResponse(reply.response("".join(parts), update.finish_reason, counts))
+                    return JSONResponse(reply.response("".join(parts), update.finish_reason, counts, calls.calls,
+                                                       None if self.tokenizer else list(job.generated)))
             return Response(status_code=499)  # nobody is listening any more
         finally:
             watcher.cancel()
@@ -147,13 +165,28 @@ class Service:
             if update.error:
                 yield sse(ApiError(500, update.error, type="server_error").body())
                 break
+            calls = [c.to_openai() for c in update.tool_calls]
+            ids = None if self.tokenizer else list(update.token_ids)
+            yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids))
             if update.finish_reason:
-                yield sse(reply.chunk(update.text, update.finish_reason))
                 if include_usage:
                     yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated))))
                 break
-            yield sse(reply.chunk(update.text))
         yield SSE_DONE
+
+
+class ToolCallsAssembly:
+    """A whole answer's tool calls from its streamed deltas, in OpenAI's message shape."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def add(self, deltas) -> None:
+        for delta in deltas:
+            if delta.id is not None:
+                self.calls.append({"id": delta.id, "type": "function",
+                                   "function": {"name": delta.name, "arguments": ""}})
+            self.calls[delta.index]["function"]["arguments"] += delta.arguments
 
 
 class GenerationStream(StreamingResponse):
@@ -238,7 +271,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
     return _error_response(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error"))
 
 
-def build_app(engine: Engine, tokenizer: KimiTokenizer, model_name: str, metrics: ServerMetrics,
+def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, metrics: ServerMetrics,
               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
     service = Service(engine, tokenizer, model_name, metrics, max_request_bytes)
     routes = [

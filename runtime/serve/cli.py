@@ -83,16 +83,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     except ImportError as exc:
         raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
     from ...manifest import load_manifest
-    from ...tokenizer import KimiTokenizer
+    from ...tokenizer_files import load_tokenizer
     from ..tensorrt import load_backend
     from .engine import Engine
     from .metrics import ServerMetrics
 
     artifact = Path(args.artifact)
     manifest = load_manifest(artifact)
-    if not (artifact / "tokenizer").is_dir():
-        raise K2Error(f"{artifact} carries no tokenizer/ folder; re-export it from a checkpoint with its tokenizer")
-    tokenizer = KimiTokenizer.from_dir(artifact / "tokenizer")
+    tokenizer = load_tokenizer(artifact / "tokenizer", manifest.config.vocab_size)  # None: token-id prompts only
     model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads)
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
@@ -102,7 +100,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     host, port = listener.getsockname()[:2]
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
-          f"{args.provider if args.backend == 'onnxruntime' else args.backend})", flush=True)
+          f"{args.provider if args.backend == 'onnxruntime' else args.backend})"
+          + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
     server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
                                              timeout_graceful_shutdown=args.drain_timeout))
     server.run(sockets=[listener])

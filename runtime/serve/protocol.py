@@ -12,6 +12,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ...errors import K2Error
+from ..chat_tools import check_tool_choice, check_tools
+
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**63)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -27,15 +30,13 @@ NEUTRAL_VALUES = {
     "logit_bias": ({},),
     "logprobs": (False,),
     "top_logprobs": (0,),
-    "tools": ([],),
-    "parallel_tool_calls": (True, False),
     "response_format": ({"type": "text"},),
 }
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
                  "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "parallel_tool_calls",
-                               "response_format"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                               "parallel_tool_calls", "response_format"}
 
 
 class ApiError(Exception):
@@ -74,6 +75,9 @@ class Options:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    tools: list[dict] | None = None  # chat: OpenAI's function tools, checked
+    tool_choice: str | dict = "none"  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
+    parallel_tool_calls: bool = True
 
 
 def parse_json(raw: bytes) -> dict:
@@ -120,9 +124,12 @@ def parse_options(body: dict, chat: bool) -> Options:
     if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
         raise bad_request("`seed` must fit in a signed 64-bit integer", param="seed")
     _optional(body, "user", str, None)
+    tools, tool_choice = _tools(body) if chat else (None, "none")
     return Options(chat=chat, model=model, prompt=None if chat else _prompt(body),
                    messages=_messages(body) if chat else None, max_tokens=max_tokens, temperature=temperature,
-                   top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage)
+                   top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage,
+                   tools=tools, tool_choice=tool_choice,
+                   parallel_tool_calls=_optional(body, "parallel_tool_calls", bool, True))
 
 
 def max_new_tokens(options: Options, prompt_tokens: int, context: int) -> int:
@@ -210,27 +217,63 @@ def _prompt(body: dict) -> str | list[int]:
     raise bad_request("`prompt` is required: a string or an array of token ids", param="prompt")
 
 
+def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
+    tools = body.get("tools") or None
+    try:
+        if tools is not None:
+            check_tools(tools)
+        return tools, check_tool_choice(body.get("tool_choice"), tools)
+    except K2Error as exc:
+        raise bad_request(str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+
+
 def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` is required: a non-empty array of messages", param="messages")
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message, where: str) -> dict:
+    """One chat message, checked: role, content as text, name; an assistant's tool_calls; a tool's tool_call_id."""
+    if not isinstance(message, dict):
+        raise bad_request(f"`{where}` must be an object", param=where)
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
+                          param=f"{where}.role")
+    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    unknown = set(message) - allowed
+    if unknown:
+        raise bad_request(f"`{where}.{min(unknown)}` is not supported by this server", param=where,
+                          code="unsupported_option")
+    calls = message.get("tool_calls") or None
+    entry = {"role": role, "content": _content(message.get("content"), f"{where}.content", role)}
+    if message.get("name") is not None:
+        entry["name"] = _optional(message, "name", str, None, label=f"{where}.name")
+    if calls is not None:
+        entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if role == "tool":
+        entry["tool_call_id"] = _optional(message, "tool_call_id", str, None, label=f"{where}.tool_call_id")
+        if entry["tool_call_id"] is None:
+            raise bad_request(f"`{where}.tool_call_id` is required in a tool message", param=f"{where}.tool_call_id")
+    return entry
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant's earlier calls: [{"id", "type": "function", "function": {"name", "arguments" (a string)}}]."""
+    if not isinstance(calls, list):
+        raise bad_request(f"`{where}` must be an array of tool calls", param=where)
     checked = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise bad_request(f"`{where}` must be an object", param=where)
-        unknown = set(message) - {"role", "content", "name"}
-        if unknown:
-            raise bad_request(f"`{where}.{min(unknown)}` is not supported by this server", param=where,
-                              code="unsupported_option")
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
-                              param=f"{where}.role")
-        entry = {"role": role, "content": _content(message.get("content"), f"{where}.content", role)}
-        if message.get("name") is not None:
-            entry["name"] = _optional(message, "name", str, None, label=f"{where}.name")
-        checked.append(entry)
+    for i, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(call, dict) and call.get("type", "function") == "function" and isinstance(call.get("id"), str)
+                and isinstance(function, dict) and isinstance(function.get("name"), str)
+                and isinstance(function.get("arguments"), str)):
+            raise bad_request(f'`{where}[{i}]` must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                              f'"arguments": "<JSON text>"}}}}', param=f"{where}[{i}]")
+        checked.append({"id": call["id"], "type": "function",
+                        "function": {"name": function["name"], "arguments": function["arguments"]}})
     return checked
 
 
@@ -267,22 +310,31 @@ class Reply:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, finish_reason: str, usage: dict) -> dict:
+    def response(self, text: str, finish_reason: str, usage: dict, tool_calls: list[dict] | None = None,
+                 token_ids: list[int] | None = None) -> dict:
+        """The whole answer; `token_ids` (the generated ids) only where the artifact has no tokenizer to give text."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text or None if tool_calls else text}
+            choice = {"index": 0, "message": message | ({"tool_calls": tool_calls} if tool_calls else {}),
+                      "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice]) | {"usage": usage}
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return self._envelope("text_completion", [choice]) | {"usage": usage}
 
-    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False) -> dict:
+    def chunk(self, text: str, finish_reason: str | None = None, role: bool = False,
+              tool_calls: list[dict] | None = None, token_ids: list[int] | None = None) -> dict:
         """One streamed piece; `role` marks a chat stream's first chunk, which names the assistant."""
         if self.chat:
-            delta = {"content": text} if text or not finish_reason else {}  # the last chunk's delta may be empty
+            delta = {"content": text} if text or not (finish_reason or tool_calls) else {}  # may be empty at the end
+            delta |= {"tool_calls": tool_calls} if tool_calls else {}
             delta = {"role": "assistant"} | delta if role else delta
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:

@@ -9,15 +9,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..sampling import SamplingParams
+from ..tool_calls import CallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
 class Update:
-    """What the engine hands the HTTP side after a step: new text, and on the last update why it ended."""
+    """What the engine hands the HTTP side after a step: new text and tool-call deltas, the token ids they came
+    from, and on the last update why it ended."""
 
     text: str = ""
-    finish_reason: str | None = None  # "stop" (a stop id or string) or "length" (max_tokens)
+    finish_reason: str | None = None  # "stop" (a stop id or string), "length" (max_tokens) or "tool_calls"
     error: str | None = None  # the step failed; the request is over
+    tool_calls: tuple[CallDelta, ...] = ()
+    token_ids: tuple[int, ...] = ()  # the sampled ids this update covers (without a stop id)
 
 
 class TextStream:
@@ -66,17 +70,24 @@ class GenerationRequest:
     """A prompt waiting, prefilling or decoding in one slot of the cache, until it finishes or is cancelled.
 
     The engine thread owns everything here but `cancelled`, which the HTTP side sets (client
-    gone); the engine reads it at the next step boundary and frees the slot.
+    gone); the engine reads it at the next step boundary and frees the slot. Without a tokenizer
+    (`decode` None) updates carry token ids and no text. With a tool-call `parser` the text goes
+    through it: the answer's content and its calls; `forced_text` (prefilled with the prompt by
+    tool_choice) is parsed first, and `single_call` ends the answer after its first call.
     """
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
-                 decode: Callable[[list[int]], str], deliver: Callable[[Update], None]):
+                 decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
+                 parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False):
         self.prompt_ids = prompt_ids
         self.params = params
         # seeded as `k2deploy generate` seeds row 0, so a seeded request samples what the CLI does
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, 0])
-        self.text = TextStream(decode, stop)
+        self.text = TextStream(decode, stop) if decode is not None else None
         self.deliver = deliver
+        self.parser = parser
+        self.single_call = single_call
+        self.forced = parser.feed(forced_text) if parser and forced_text else None  # sent with the first token
         self.slot: int | None = None
         self.cached = 0  # prompt tokens already in the slot's cache
         self.generated: list[int] = []  # sampled ids, without a stop id
@@ -103,14 +114,33 @@ class GenerationRequest:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         if token in self.params.stop_ids:
-            self.finish_reason = "stop"
-            return Update(self.text.finish(), "stop")
+            return self._update(self._flush(), (), "stop")
         self.generated.append(token)
-        text, stopped = self.text.push(token)
+        text, stopped = self.text.push(token) if self.text else ("", False)
         if stopped:
-            self.finish_reason = "stop"
-            return Update(text, "stop")
+            return self._update(text, (token,), "stop")
         if len(self.generated) >= self.params.max_new_tokens:
-            self.finish_reason = "length"
-            return Update(text + self.text.finish(), "length")
-        return Update(text)
+            return self._update(text + self._flush(), (token,), "length")
+        return self._update(text, (token,), None)
+
+    def _flush(self) -> str:
+        return self.text.finish() if self.text else ""
+
+    def _update(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None) -> Update:
+        """The update for new text: through the tool-call parser where there is one; sets finish_reason."""
+        if self.parser is None:
+            self.finish_reason = finish_reason
+            return Update(text, finish_reason, token_ids=token_ids)
+        parsed = [d for d in (self.forced, self.parser.feed(text)) if d is not None]
+        self.forced = None
+        if self.single_call and self.parser.calls and self.parser.calls[0].complete:
+            finish_reason = "tool_calls"  # parallel_tool_calls false: the first call is the answer
+        if finish_reason is not None:
+            parsed.append(self.parser.finish())
+            if finish_reason == "stop" and self.parser.called:
+                finish_reason = "tool_calls"
+        self.finish_reason = finish_reason
+        calls = tuple(c for d in parsed for c in d.calls)
+        if self.single_call:
+            calls = tuple(c for c in calls if c.index == 0)
+        return Update("".join(d.content for d in parsed), finish_reason, tool_calls=calls, token_ids=token_ids)

@@ -1,0 +1,98 @@
+"""Tools a chat may call, checked, and how `tool_choice` steers Kimi K2: which token it may not sample and
+which tokens the answer is made to begin with.
+
+Kimi K2 opens its calls with `<|tool_calls_section_begin|>`. `none` (and a chat without tools)
+forbids that token, so the model answers in text. `required` makes the answer begin with
+`<|tool_calls_section_begin|><|tool_call_begin|>functions.` and the model picks the function; a
+named function makes it begin with that call's whole header,
+`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>`, so
+the model writes only its arguments. Those forced tokens are prefilled with the prompt (counted
+in `prompt_tokens`) and parsed as the start of the answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from ..errors import K2Error
+from .tool_calls import KIMI_K2_MARKERS
+
+# OpenAI's rule for function names; it also keeps marker text out of a forced header.
+FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+CHOICES = ("none", "auto", "required")
+
+
+def check_tools(tools, where: str = "tools") -> list[dict]:
+    """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]."""
+    if not isinstance(tools, list):
+        raise K2Error(f"`{where}` must be an array of tools")
+    names = []
+    for i, tool in enumerate(tools):
+        at = f"{where}[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise K2Error(f'`{at}` must be {{"type": "function", "function": {{"name": ..., "parameters": ...}}}}')
+        unknown = set(tool) - {"type", "function"} | set(tool["function"]) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise K2Error(f"`{at}` has fields this server does not know: {', '.join(sorted(unknown))}")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise K2Error(f"`{at}.function.name` must be 1 to 64 letters, digits, underscores or dashes, got "
+                          f"{json.dumps(name)}")
+        if not isinstance(function.get("description", ""), str):
+            raise K2Error(f"`{at}.function.description` must be a string")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise K2Error(f"`{at}.function.parameters` must be a JSON Schema object")
+        names.append(name)
+    if len(set(names)) != len(names):
+        raise K2Error(f"`{where}` declares a function name twice")
+    return tools
+
+
+def check_tool_choice(choice, tools: list[dict] | None) -> str | dict:
+    """`none`, `auto`, `required` or {"type": "function", "function": {"name": NAME}} naming a declared tool."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if choice in CHOICES:
+        if choice == "required" and not tools:
+            raise K2Error("`tool_choice` \"required\" needs `tools`")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise K2Error('`tool_choice` must be "none", "auto", "required" or {"type": "function", "function": '
+                      '{"name": NAME}}')
+    if name not in {t["function"]["name"] for t in tools or []}:
+        raise K2Error(f"`tool_choice` names the function {name!r}, which `tools` does not declare")
+    return {"type": "function", "function": {"name": name}}
+
+
+@dataclass(frozen=True)
+class ToolSteering:
+    """What a chat's tool choice does to generation: the answer's forced first text and a banned token."""
+
+    forced_text: str  # markup the answer is made to begin with ("" for none / auto)
+    banned_ids: tuple[int, ...]  # token ids the model may not sample
+
+    @classmethod
+    def plan(cls, tokenizer, tools: list[dict] | None, choice: str | dict) -> ToolSteering:
+        has_markers = all(m in tokenizer.special_ids for m in KIMI_K2_MARKERS.all())
+        if tools and not has_markers:
+            raise K2Error("this artifact's tokenizer has no Kimi K2 tool-call tokens (<|tool_calls_section_begin|> "
+                          "...); tool calls are supported in Kimi K2's format only")
+        if not has_markers:
+            return cls("", ())
+        begin = KIMI_K2_MARKERS.section_begin + KIMI_K2_MARKERS.call_begin
+        if choice == "none" or not tools:
+            return cls("", (tokenizer.special_ids[KIMI_K2_MARKERS.section_begin],))
+        if choice == "required":
+            return cls(begin + "functions.", ())
+        if isinstance(choice, dict):
+            return cls(f"{begin}functions.{choice['function']['name']}:0{KIMI_K2_MARKERS.argument_begin}", ())
+        return cls("", ())
+
+    def forced_ids(self, tokenizer) -> list[int]:
+        """The forced text as tokens: markers as special tokens, the function name as text (a checked name)."""
+        return tokenizer.encode(self.forced_text, allow_special=True) if self.forced_text else []

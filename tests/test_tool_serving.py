@@ -1,0 +1,150 @@
+"""Kimi K2 tool calls through the server to the official `openai` client, on a checkpoint whose greedy answer
+is a tool call (tests/scripted.py): parsed into `tool_calls`, whole and streamed, steered by tool_choice, and the
+next turn (the call and its result sent back) rendered as Kimi K2's template defines."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("torch")
+
+from cli import run_cli  # noqa: E402
+from scripted import script, write_scripted_checkpoint  # noqa: E402
+from serving import MODEL, Server  # noqa: E402
+
+from k2deploy.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
+
+# The scripted answer: one call to `bakery` with no arguments (each token of it differs, see tests/scripted.py).
+ANSWER = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0<|tool_call_argument_begin|>{}"
+          "<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+TOOLS = [{"type": "function", "function": {"name": "bakery", "description": "When the bakery opens",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+QUESTION = [{"role": "user", "content": "When does the bakery open?"}]
+MARKERS = ("<|", "|>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(folder, 1024)  # the tiny preset's tokenizer, as its checkpoint carries it
+    return KimiTokenizer.from_dir(folder)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tokenizer):
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    root = tmp_path_factory.mktemp("scripted")
+    # the answer follows the generation prompt, which ends in <|im_middle|>
+    checkpoint = write_scripted_checkpoint(root / "checkpoint",
+                                           script(tokenizer.encode("<|im_middle|>" + ANSWER, allow_special=True)))
+    export_artifact(ExportOptions(str(checkpoint), kv_cache="bf16", target="cuda"), root / "artifact")
+    return root / "artifact"
+
+
+@pytest.fixture(scope="module")
+def server(artifact, tmp_path_factory):
+    running = Server(artifact, tmp_path_factory.mktemp("serve"))
+    yield running
+    running.stop()
+
+
+def _ask(server, **kwargs):
+    return server.client().chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0,
+                                                   **{"max_tokens": 32, **kwargs})
+
+
+def test_a_tool_call_becomes_openai_tool_calls(server):
+    choice = _ask(server).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert [c.model_dump() for c in choice.message.tool_calls] == [
+        {"id": "functions.bakery:0", "type": "function", "function": {"name": "bakery", "arguments": "{}"}}]
+
+
+def test_a_streamed_tool_call_arrives_as_deltas(server):
+    chunks = [c for c in _ask(server, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].id == "functions.bakery:0" and deltas[0].function.name == "bakery" and deltas[0].index == 0
+    assert all(d.index == 0 and d.id is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas) == "{}"
+    assert not any(m in (c.choices[0].delta.content or "") for c in chunks for m in MARKERS)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_next_turn_is_rendered_as_the_template_defines(server, tokenizer):
+    """The client sends back the assistant's call and the tool's result; the server's prompt is Kimi K2's."""
+    sent = []
+    client = server.client(http_client=httpx.Client(event_hooks={"request": [lambda r: sent.append(r)]}))
+    first = client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, max_tokens=32)
+    call = first.choices[0].message.tool_calls[0]
+    messages = [*QUESTION, first.choices[0].message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "name": "bakery", "content": '{"opens": "06:00"}'}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=32)
+    expected = tokenizer.encode(
+        "<|im_system|>tool_declare<|im_middle|>" + json.dumps(TOOLS, separators=(",", ":")) + "<|im_end|>"
+        "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>\n"
+        "<|im_user|>user<|im_middle|>When does the bakery open?<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+        '<|im_system|>bakery<|im_middle|>## Return of functions.bakery:0\n{"opens": "06:00"}<|im_end|>'
+        "<|im_assistant|>assistant<|im_middle|>", allow_special=True)
+    from k2deploy.runtime.serve.protocol import parse_options
+
+    options = parse_options(json.loads(sent[-1].content), chat=True)
+    assert tokenizer.encode_chat(options.messages, options.tools) == expected
+    assert second.usage.prompt_tokens == len(expected)
+
+
+def test_tool_choice_none_forbids_the_call(server):
+    choice = _ask(server, tool_choice="none").choices[0]
+    assert choice.finish_reason != "tool_calls" and not choice.message.tool_calls
+    assert not any(m in choice.message.content for m in MARKERS)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "bakery"}}],
+                         ids=["required", "named"])
+def test_required_and_named_choices_force_the_call(server, tokenizer, tool_choice):
+    """They prefill the start of the call (counted in prompt_tokens); the model writes the rest."""
+    result = _ask(server, tool_choice=tool_choice)
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("functions.bakery:0", "bakery", "{}")]
+    forced = ("<|tool_calls_section_begin|><|tool_call_begin|>functions." if tool_choice == "required" else
+              "<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0<|tool_call_argument_begin|>")
+    assert result.usage.prompt_tokens == (len(tokenizer.encode_chat(QUESTION, TOOLS))
+                                          + len(tokenizer.encode(forced, allow_special=True)))
+
+
+def test_a_call_cut_off_by_max_tokens_ends_with_length(server):
+    """Documented: finish_reason "length", the calls begun so far in tool_calls, never marker text in content."""
+    choice = _ask(server, max_tokens=4).choices[0]
+    assert choice.finish_reason == "length"
+    assert [c.function.arguments for c in choice.message.tool_calls] == [""]
+    assert not any(m in (choice.message.content or "") for m in MARKERS)
+
+
+def test_a_named_function_that_is_not_declared_is_a_400(server):
+    with pytest.raises(openai.BadRequestError, match="does not declare"):
+        _ask(server, tool_choice={"type": "function", "function": {"name": "ferry"}})
+
+
+def test_generate_with_tools_prints_the_parsed_calls(artifact, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    shown = run_cli("generate", artifact, "--chat", "--prompt", QUESTION[0]["content"], "--tools", tools)
+    assert shown.returncode == 0, shown.stderr
+    assert "tool call functions.bakery:0: bakery({})" in shown.stdout and "<|" not in shown.stdout
+    as_json = json.loads(run_cli("generate", artifact, "--chat", "--prompt", "x", "--tools", tools, "--json").stdout)
+    assert as_json["tool_calls"] == [{"id": "functions.bakery:0", "type": "function",
+                                      "function": {"name": "bakery", "arguments": "{}"}}]
+    assert as_json["finish_reason"] == "tool_calls" and as_json["text"] == ""
+    tools.write_text('[{"type": "function", "function": {"name": "bad name"}}]')
+    refused = run_cli("generate", artifact, "--chat", "--prompt", "x", "--tools", tools)
+    assert refused.returncode == 2 and "function.name` must be 1 to 64 letters" in refused.stderr
