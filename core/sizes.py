@@ -6,9 +6,9 @@ the header count is what `inspect` reports for a checkpoint it did not write.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from .cache_format import CacheFormat
 from .config import ModelConfig
 
 
@@ -50,12 +50,8 @@ def count_parameters(c: ModelConfig) -> ParameterCount:
 
 
 def kv_cache_bytes_per_token(c: ModelConfig) -> dict[str, int]:
-    """Bytes one token occupies in one layer's cache, by cache format."""
-    return {
-        # keys [h, nope + rope] and values [h, v], as a plain MHA cache would hold them
-        "bf16_decompressed": c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * 2,
-        # c_kv [c] and k_pe [r]
-        "bf16_latent": (c.kv_lora_rank + c.qk_rope_head_dim) * 2,
-        # c_kv as e4m3 with one float32 scale per 128 values, k_pe in BF16
-        "fp8_latent": c.kv_lora_rank + 4 * math.ceil(c.kv_lora_rank / 128) + c.qk_rope_head_dim * 2,
-    }
+    """Bytes one token occupies in one layer's cache, by cache format (the latent ones as the artifacts hold them)."""
+    # keys [h, nope + rope] and values [h, v], as a plain MHA cache would hold them
+    sizes = {"bf16_decompressed": c.num_attention_heads * (c.qk_head_dim + c.v_head_dim) * 2}
+    return sizes | {f"{name}_latent": CacheFormat.for_config(c, name).bytes_per_token_per_layer
+                    for name in ("bf16", "fp8", "int8")}

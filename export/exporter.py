@@ -27,6 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..cache_format import NAMES as CACHE_NAMES
+from ..cache_format import CacheFormat
 from ..checkpoint.reader import Checkpoint
 from ..config import ModelConfig
 from ..errors import K2Error
@@ -75,29 +77,6 @@ class GraphJob:
     layer: int | None = None
 
 
-def cache_bytes_per_token(config: ModelConfig, cache_format: str) -> int:
-    c, r = config.kv_lora_rank, config.qk_rope_head_dim
-    if cache_format in gm.SCALED_CACHE_FORMATS:
-        return c + 4 * (c // gm.latent_group(config, cache_format)) + 2 * r
-    return 2 * c + 2 * r
-
-
-def cache_description(config: ModelConfig, cache_format: str) -> dict:
-    fp8 = cache_format in gm.SCALED_CACHE_FORMATS
-    return {
-        "format": cache_format,
-        "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]" + (", latent_scale [t, b, c / group]" if fp8 else ""),
-        "latent_dtype": {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}[cache_format],
-        "latent_zero_point": 128 if cache_format == "int8" else None,
-        "latent_scale_group": gm.latent_group(config, cache_format) if fp8 else None,
-        "latent_scale_dtype": "FLOAT" if fp8 else None,
-        "rope_dtype": "FLOAT16",
-        "latent_dim": config.kv_lora_rank,
-        "rope_dim": config.qk_rope_head_dim,
-        "bytes_per_token_per_layer": cache_bytes_per_token(config, cache_format),
-    }
-
-
 def plan(config: ModelConfig, layers: tuple[int, int] | None) -> list[GraphJob]:
     """The graphs to write: the given decoder layers, with embedding and head when that is every layer."""
     start, stop = layers or (0, config.num_hidden_layers)
@@ -135,8 +114,8 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, ta
             _meta((t, b, config.qk_rope_head_dim), torch.float16)]
     names = ["hidden", "positions", "past_latent", "past_rope"]
     outputs = ["hidden_out", "new_latent", "new_rope"]
-    if cache_format in gm.SCALED_CACHE_FORMATS:
-        args.append(_meta((t, b, config.kv_lora_rank // gm.latent_group(config, cache_format))))
+    if CacheFormat.for_config(config, cache_format).scaled:
+        args.append(_meta((t, b, CacheFormat.for_config(config, cache_format).scales_per_token)))
         names.append("past_latent_scale")
         outputs.append("new_latent_scale")
     dims = {"hidden": {0: batch, 1: seq}, "positions": {0: batch, 1: seq}, "past_latent": {0: past, 1: batch},
@@ -183,8 +162,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     _refuse_out_in_checkpoint(Path(options.checkpoint), out)
     if options.kv_cache is None:
         options = replace(options, kv_cache=default_cache(options.target))
-    if options.kv_cache not in gm.CACHE_FORMATS:
-        raise K2Error(f"--kv-cache must be one of {', '.join(gm.CACHE_FORMATS)}, got {options.kv_cache!r}")
+    if options.kv_cache not in CACHE_NAMES:
+        raise K2Error(f"--kv-cache must be one of {', '.join(CACHE_NAMES)}, got {options.kv_cache!r}")
     if options.kv_cache == "int8" and options.target != "cpu":
         raise K2Error(f"--kv-cache int8 is the cpu target's cache; --target {options.target} keeps fp8 or bf16")
     checkpoint = Checkpoint.open(options.checkpoint)
@@ -346,7 +325,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "complete": "embed" in described,
         "model_config": config.to_dict(),
         "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint))},
-        "kv_cache": cache_description(config, options.kv_cache),
+        "kv_cache": CacheFormat.for_config(config, options.kv_cache).description(),
         "target": options.target,
         "weights": WEIGHT_FORMATS[options.target],
         "opset": options.opset,

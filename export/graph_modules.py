@@ -22,13 +22,13 @@ bytes as the exporter streams them (`int8_pieces`). The layer's code is the same
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache_format import CacheFormat
 from ..config import ModelConfig
 from ..checkpoint.reader import Checkpoint
 from ..plugins import int8
@@ -39,15 +39,7 @@ from .rope import inverse_frequencies
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
-CACHE_FORMATS = ("fp8", "int8", "bf16")
-SCALED_CACHE_FORMATS = ("fp8", "int8")  # one byte per latent value, one float32 scale per group
 CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "int8": torch.uint8, "bf16": torch.bfloat16}
-
-
-def latent_group(config: ModelConfig, cache_format: str = "fp8") -> int:
-    """Latent values that share one cache scale. fp8: 128, or the whole latent when it is not a multiple of 128.
-    int8: the whole latent (one scale per token), so that attention applies it to scores, not to the cache."""
-    return config.kv_lora_rank if cache_format == "int8" else math.gcd(config.kv_lora_rank, 128)
 
 
 class Fp8Linear(nn.Module):
@@ -157,7 +149,8 @@ class ExportLayer(nn.Module):
         if c.fp8_block is None:
             raise ValueError("export needs an FP8 checkpoint (quantization_config with weight_block_size)")
         block = c.fp8_block[0]
-        self.config, self.cache_format, self.group = c, cache_format, latent_group(c, cache_format)
+        self.config, self.cache_format = c, cache_format
+        self.group = CacheFormat.for_config(c, cache_format).scale_group  # latent values per scale
         make_linear = linear_maker(target, block)
         self.input_layernorm = model.RMSNorm(c.hidden_size, c.rms_norm_eps, torch.bfloat16)
         self.self_attn = model.MLA(c, absorb=True, make_linear=make_linear, norm_dtype=torch.bfloat16)

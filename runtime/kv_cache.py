@@ -3,13 +3,9 @@
 One allocation per array for all layers, sliced per layer (arrays [layers, max_len, batch, ...]).
 Time-major, so a layer's first t positions for every row are one contiguous block: the
 sessions read it in place through zero-copy OrtValues, without copying the cache each step.
-
-fp8:  latent e4m3 bits [L, T, B, c] uint8, latent_scale [L, T, B, c / group] float32 (one scale
-      per group of 128 latent values), rope [L, T, B, r] float16 -> 656 bytes per token per
-      layer at Kimi K2's c = 512, r = 64.
-int8: as fp8 with the latent as int8 codes stored as code + 128 [L, T, B, c] uint8 and one scale per
-      token (the cpu target's cache) -> 644 bytes.
-bf16: latent bits [L, T, B, c] uint16, rope [L, T, B, r] float16 -> 1152 bytes.
+The layout of each format is `k2deploy.cache_format.CacheFormat`'s: latent bits [L, T, B, c]
+(uint8 for fp8 and int8, uint16 for bf16), rope [L, T, B, r] float16 and, for the scaled
+formats, latent_scale [L, T, B, c / group] float32.
 """
 
 from __future__ import annotations
@@ -19,29 +15,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnxruntime import OrtValue
 
+from ..cache_format import CacheFormat
 from ..errors import K2Error
 
 if TYPE_CHECKING:
     from .cache_rows import CacheRows
 
-# ONNX TensorProto element types (onnx itself is not needed at run time)
-UINT8, BFLOAT16, FLOAT8E4M3FN = 2, 16, 17
-# format -> (latent storage dtype, ONNX element type of the graph's latent input, has per-group scales)
-FORMATS = {"fp8": (np.uint8, FLOAT8E4M3FN, True), "int8": (np.uint8, UINT8, True), "bf16": (np.uint16, BFLOAT16, False)}
+# ONNX TensorProto element types by name (onnx itself is not needed at run time)
+ONNX_ELEMENT_TYPES = {"UINT8": 2, "BFLOAT16": 16, "FLOAT8E4M3FN": 17}
 
 
 class LatentCache:
     def __init__(self, kv_cache: dict, layers: int, batch: int, max_len: int):
-        self.format = kv_cache["format"]
+        fmt = CacheFormat.from_manifest(kv_cache)
+        self.format = fmt.name
         self.max_len = max_len
-        c, r = kv_cache["latent_dim"], kv_cache["rope_dim"]
-        if self.format not in FORMATS:
-            raise K2Error(f"unknown latent cache format {self.format!r}; this runtime reads {', '.join(FORMATS)}")
-        storage, self.latent_type, scaled = FORMATS[self.format]
-        self.latent = np.zeros((layers, max_len, batch, c), dtype=storage)
-        self.rope = np.zeros((layers, max_len, batch, r), dtype=np.float16)
-        self.latent_scale = (np.zeros((layers, max_len, batch, c // kv_cache["latent_scale_group"]), dtype=np.float32)
-                             if scaled else None)
+        self.latent_type = ONNX_ELEMENT_TYPES[fmt.latent_type]
+        storage = np.uint8 if fmt.scaled else np.uint16  # one byte per latent value, or bfloat16 bits
+        self.latent = np.zeros((layers, max_len, batch, fmt.latent_dim), dtype=storage)
+        self.rope = np.zeros((layers, max_len, batch, fmt.rope_dim), dtype=np.float16)
+        self.latent_scale = (np.zeros((layers, max_len, batch, fmt.scales_per_token), dtype=np.float32)
+                             if fmt.scaled else None)
         self.lengths = np.zeros(batch, dtype=np.int64)  # tokens held per row
 
     @property

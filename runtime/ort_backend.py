@@ -11,6 +11,7 @@ from collections import defaultdict
 import numpy as np
 import onnxruntime as ort
 
+from ..cache_format import CacheFormat
 from ..errors import K2Error
 from ..manifest import Manifest
 from ..targets import artifact_target, check_runnable
@@ -44,7 +45,6 @@ def resolve_provider(name: str) -> list[str]:
 ORT_TYPES = {"tensor(float)": "FLOAT", "tensor(float16)": "FLOAT16", "tensor(bfloat16)": "BFLOAT16",
              "tensor(float8e4m3fn)": "FLOAT8E4M3FN", "tensor(uint8)": "UINT8", "tensor(int8)": "INT8",
              "tensor(int64)": "INT64", "tensor(int32)": "INT32", "tensor(bool)": "BOOL"}
-CACHE_LATENT_TYPES = {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}
 
 
 def check_against_graphs(manifest: Manifest, loaded: list) -> None:
@@ -63,7 +63,7 @@ def check_against_graphs(manifest: Manifest, loaded: list) -> None:
     if kv["latent_dim"] != config.kv_lora_rank or kv["rope_dim"] != config.qk_rope_head_dim:
         raise K2Error(f"{manifest.root}: manifest.json's kv_cache dims ({kv['latent_dim']}, {kv['rope_dim']}) are not its "
                       f"model's ({config.kv_lora_rank}, {config.qk_rope_head_dim}); re-export the artifact")
-    latent_type = CACHE_LATENT_TYPES.get(kv["format"])
+    latent_type = CacheFormat.from_manifest(kv).latent_type
     for entry, session in loaded:
         declared = [(v["name"], v["dtype"]) for v in entry["inputs"]] + [(v["name"], v["dtype"]) for v in entry["outputs"]]
         actual = [(a.name, ORT_TYPES.get(a.type, a.type)) for a in (*session.get_inputs(), *session.get_outputs())]

@@ -112,7 +112,22 @@ def test_kimi_k2_formula_matches_the_published_figures():
     counts = count_parameters(config)
     assert round(counts.total / 1e9, 1) == 1026.4  # KIMI_K2.md, computed from the config
     assert round(counts.active_per_token / 1e9, 2) == 32.86
-    assert kv_cache_bytes_per_token(config) == {"bf16_decompressed": 40960, "bf16_latent": 1152, "fp8_latent": 656}
+    assert kv_cache_bytes_per_token(config) == {"bf16_decompressed": 40960, "bf16_latent": 1152, "fp8_latent": 656,
+                                                "int8_latent": 644}
+
+
+def test_cache_sizes_are_the_layout_the_graphs_hold():
+    """A latent of 192 is scaled in three groups of 64 (gcd with 128), as the exported graphs store it: 332 bytes."""
+    from k2deploy.cache_format import CacheFormat
+    from k2deploy.checkpoint.presets import preset_config
+    from k2deploy.sizes import kv_cache_bytes_per_token
+
+    config = preset_config("tiny", overrides=["kv_lora_rank=192"])
+    fmt = CacheFormat.for_config(config, "fp8")
+    assert (fmt.scale_group, fmt.scales_per_token) == (64, 3)
+    assert kv_cache_bytes_per_token(config)["fp8_latent"] == 192 + 3 * 4 + 2 * 16 == fmt.description()[
+        "bytes_per_token_per_layer"]
+    assert CacheFormat.from_manifest(fmt.description()) == fmt
 
 
 # -- damaged checkpoints: each names what is wrong -----------------------------------------

@@ -111,6 +111,9 @@ def test_an_artifact_without_a_tokenizer_runs_on_token_ids(without_tokenizer, tm
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["text"] is None and len(json.loads(done.stdout)["token_ids"]) == 4
     assert run_cli("score", without_tokenizer, "--prompt-ids", "5,6", "--out", tmp_path / "l.npy").returncode == 0
+    bench = run_cli("bench", without_tokenizer, "--batch", "1", "--prompt-len", "8", "--gen-len", "2", "--baseline",
+                    "none", "--repeats", "1", "--warmup", "0", "--out", tmp_path / "bench", "--json")
+    assert bench.returncode == 0, bench.stderr
     text = run_cli("generate", without_tokenizer, "--prompt", "hello")
     assert text.returncode != 0 and "carries no tokenizer; pass --prompt-ids" in text.stderr
 

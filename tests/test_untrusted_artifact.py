@@ -49,7 +49,9 @@ CASES = {
     "an edited hidden_size": (_set(["model_config", "hidden_size"], 256),
                               "manifest.json does not describe graphs/embed.onnx: hidden has 192"),
     "an edited cache format": (_set(["kv_cache", "format"], "bf16"),
-                               "past_latent is FLOAT8E4M3FN, the manifest's cache format 'bf16' needs BFLOAT16"),
+                               "kv_cache format 'bf16' does not go with its latent_scale_group 64"),
+    "a cache format of the same layout": (_set(["kv_cache", "format"], "int8"),
+                                          "past_latent is FLOAT8E4M3FN, the manifest's cache format 'int8' needs UINT8"),
     "edited cache dims": (_set(["kv_cache", "latent_dim"], 32), "kv_cache dims (32, 16) are not its model's (64, 16)"),
 }
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from ...cache_format import CacheFormat
 from ...errors import K2Error
 from ...manifest import Manifest
 from .cuda import CudaRuntime, stream_handle
@@ -103,10 +104,10 @@ class TrtModel:
         self.ids = DeviceBuffer(self.cuda, tokens * 8)
         self.positions = DeviceBuffer(self.cuda, tokens * 8)
         self.entries = {name: DeviceBuffer(self.cuda, tokens * w) for name, w in entry_widths(self.kv_cache).items()}
-        c = self.kv_cache["latent_dim"]
-        self.cache_dims = {"latent": c, "rope": self.kv_cache["rope_dim"]}  # last dim of each past input
-        if self.kv_cache["format"] == "fp8":
-            self.cache_dims["latent_scale"] = c // self.kv_cache["latent_scale_group"]
+        fmt = CacheFormat.from_manifest(self.kv_cache)
+        self.cache_dims = {"latent": fmt.latent_dim, "rope": fmt.rope_dim}  # last dim of each past input
+        if fmt.scaled:
+            self.cache_dims["latent_scale"] = fmt.scales_per_token
         self.logits_buffer = DeviceBuffer(self.cuda)
         self.head_input = DeviceBuffer(self.cuda)
         self.stage_seconds: dict[str, float] = defaultdict(float)

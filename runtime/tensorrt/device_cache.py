@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ...cache_format import CacheFormat
 from ...errors import K2Error
 
 
@@ -46,10 +47,10 @@ class DeviceBuffer:
 
 def entry_widths(kv_cache: dict) -> dict[str, int]:
     """Bytes per token and row of each cache array: latent (e4m3 or bf16), rope (bf16), latent_scale (fp32)."""
-    c, r = kv_cache["latent_dim"], kv_cache["rope_dim"]
-    widths = {"latent": c * (1 if kv_cache["format"] == "fp8" else 2), "rope": 2 * r}
-    if kv_cache["format"] == "fp8":
-        widths["latent_scale"] = 4 * (c // kv_cache["latent_scale_group"])
+    fmt = CacheFormat.from_manifest(kv_cache)
+    widths = {"latent": fmt.latent_dim * (1 if fmt.scaled else 2), "rope": 2 * fmt.rope_dim}
+    if fmt.scaled:
+        widths["latent_scale"] = 4 * fmt.scales_per_token
     return widths
 
 

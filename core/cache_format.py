@@ -1,0 +1,87 @@
+"""The latent cache's layout, in one place: what the exporter writes into the graphs and the manifest, what the
+runtimes allocate and bind, what sizes, plans and inspect report.
+
+Per layer and token MLA keeps the latent c_kv [c] and the rope key k_pe [r]:
+
+fp8:  c_kv as e4m3 bytes with one float32 scale per group of 128 values (or of gcd(c, 128) when c is
+      not a multiple of 128), k_pe float16 -> 656 bytes at Kimi K2's c = 512, r = 64.
+int8: c_kv as int8 codes stored as code + 128 (uint8) with one float32 scale per token (the cpu
+      target's cache: attention applies the scale to scores, not to the cache) -> 644 bytes.
+bf16: c_kv bfloat16, k_pe float16 -> 1152 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import ModelConfig
+from .errors import K2Error
+
+# format -> ONNX element type of the latent (its bits are stored as uint8 / uint16 on the host)
+LATENT_TYPES = {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}
+NAMES = tuple(LATENT_TYPES)
+INT8_ZERO_POINT = 128
+
+
+@dataclass(frozen=True)
+class CacheFormat:
+    name: str  # fp8, int8 or bf16
+    latent_dim: int  # c = kv_lora_rank
+    rope_dim: int  # r = qk_rope_head_dim
+    scale_group: int | None  # latent values per float32 scale; None: unscaled (bf16)
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, name: str) -> CacheFormat:
+        if name not in LATENT_TYPES:
+            raise K2Error(f"unknown latent cache format {name!r}; choose one of {', '.join(NAMES)}")
+        c = config.kv_lora_rank
+        group = {"fp8": math.gcd(c, 128), "int8": c, "bf16": None}[name]
+        return cls(name, c, config.qk_rope_head_dim, group)
+
+    @classmethod
+    def from_manifest(cls, kv: dict) -> CacheFormat:
+        """The format a manifest's kv_cache entry describes; a K2Error when it is not one this runtime reads."""
+        name = kv.get("format")
+        if name not in LATENT_TYPES:
+            raise K2Error(f"unknown latent cache format {name!r}; this runtime reads {', '.join(NAMES)}")
+        fmt = cls(name, kv.get("latent_dim"), kv.get("rope_dim"), kv.get("latent_scale_group"))
+        if (fmt.scale_group is None) != (name == "bf16") or (fmt.scale_group and fmt.latent_dim % fmt.scale_group):
+            raise K2Error(f"the manifest's kv_cache format {name!r} does not go with its latent_scale_group "
+                          f"{fmt.scale_group} ({fmt.latent_dim} latent values); the manifest was edited or mixes "
+                          f"artifacts, re-export it")
+        return fmt
+
+    @property
+    def scaled(self) -> bool:
+        return self.scale_group is not None
+
+    @property
+    def latent_type(self) -> str:
+        """The ONNX element type of the graphs' latent inputs and outputs."""
+        return LATENT_TYPES[self.name]
+
+    @property
+    def scales_per_token(self) -> int:
+        return self.latent_dim // self.scale_group if self.scaled else 0
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        latent = self.latent_dim * (1 if self.scaled else 2)
+        return latent + 4 * self.scales_per_token + 2 * self.rope_dim
+
+    def description(self) -> dict:
+        """The manifest's kv_cache entry."""
+        return {
+            "format": self.name,
+            "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]"
+                      + (", latent_scale [t, b, c / group]" if self.scaled else ""),
+            "latent_dtype": self.latent_type,
+            "latent_zero_point": INT8_ZERO_POINT if self.name == "int8" else None,
+            "latent_scale_group": self.scale_group,
+            "latent_scale_dtype": "FLOAT" if self.scaled else None,
+            "rope_dtype": "FLOAT16",
+            "latent_dim": self.latent_dim,
+            "rope_dim": self.rope_dim,
+            "bytes_per_token_per_layer": self.bytes_per_token_per_layer,
+        }
