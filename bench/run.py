@@ -50,6 +50,8 @@ class BenchOptions:
     gen_len: int = 8
     provider: str = "cpu"
     backend: str = "onnxruntime"
+    placement: str | None = None  # pipeline stages ("auto" or ranges), in this process or on Ray
+    ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
     threads: int | None = None  # ONNX Runtime intra-op threads (and torch's); None: ONNX Runtime's choice
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3
@@ -119,14 +121,16 @@ def _resolve_baseline(options: BenchOptions, manifest, notes: list[str]) -> tupl
 class _Ours:
     """The artifact through k2deploy.runtime, run the way `generate` runs it."""
 
-    def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime"):
+    def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
+                 placement: str | None = None, ray: str | None = None, cache_shape: tuple[int, int] | None = None):
         from ..runtime.generator import Generator
         from ..runtime.sampling import SamplingParams, sample
         from ..runtime.tensorrt.factory import load_backend
 
         rss = current_rss_bytes()
         started = time.perf_counter()
-        self.model = load_backend(backend, manifest, provider=provider, threads=threads)
+        self.model = load_backend(backend, manifest, provider=provider, threads=threads, placement=placement, ray=ray,
+                                  cache_shape=cache_shape)
         self.load_seconds = time.perf_counter() - started
         self.weights_rss_bytes = (current_rss_bytes() - rss) if rss is not None else None
         self.generator = Generator(self.model)
@@ -254,7 +258,8 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     base = BaselineProcess(kind, checkpoint, threads) if kind else None
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
-        ours = _Ours(manifest, options.provider, options.threads, options.backend)
+        ours = _Ours(manifest, options.provider, options.threads, options.backend, options.placement, options.ray,
+                     (max(options.batches), max(options.prompt_lens) + options.gen_len))
         record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
         device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
                                  gpu_name=record["gpu"]["name"] if record else None)

@@ -11,6 +11,7 @@ from pathlib import Path
 from .command import run_command
 from .errors import K2Error
 from .bench.cli import add_bench_parser
+from .plan import add_plan_parser
 from .runtime.serve.cli import add_serve_parser
 from .runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
 
@@ -128,13 +129,15 @@ def cmd_export(args: argparse.Namespace) -> None:
               f"target {summary['target']}) to {args.out} in {summary['seconds']} s")
 
 
-def _load_generator(args: argparse.Namespace, manifest=None):
+def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
+    """The artifact's model on the chosen backend (or placed stages) for one sequence of `positions`."""
     from .manifest import load_manifest
     from .runtime.generator import Generator
     from .runtime.tensorrt.factory import load_backend
 
     return Generator(load_backend(args.backend, manifest or load_manifest(args.artifact), provider=args.provider,
-                                  threads=args.threads))
+                                  threads=args.threads, placement=args.placement, ray=args.ray,
+                                  cache_shape=(1, positions)))
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -185,7 +188,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop_ids=tuple(tokenizer.stop_ids) if tokenizer else (),
                             banned_ids=steering.banned_ids)
-    result = _load_generator(args, manifest).generate([prompt], params)[0]
+    result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate([prompt], params)[0]
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
     calls, finish_reason = [], result.finish_reason
     if args.chat and text is not None:
@@ -212,7 +215,8 @@ def cmd_score(args: argparse.Namespace) -> None:
     folder = Path(args.out).resolve().parent
     if not folder.is_dir():
         raise K2Error(f"--out {args.out}: folder {folder} does not exist; create it first")
-    logits = _load_generator(args).score(_prompt_ids(args.prompt_ids))
+    prompt = _prompt_ids(args.prompt_ids)
+    logits = _load_generator(args, len(prompt)).score(prompt)
     np.save(args.out, logits)
     summary = {"out": args.out, "shape": list(logits.shape), "dtype": str(logits.dtype)}
     print(json.dumps(summary) if args.json else f"wrote {args.out}: float32 logits {list(logits.shape)}")
@@ -330,6 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
     add_bench_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""Prefill, then decode token by token, for a batch of prompts of different lengths."""
+"""Prefill, then decode token by token, for a static batch of prompts of different lengths, through the step
+loop (`steps.Steps`) on any backend of the runtime interface."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import K2Error
-from .ort_backend import OrtModel
+from .interface import Cache, Model
 from .sampling import SamplingParams, sample
+from .steps import Steps
 
 
 @dataclass
@@ -22,7 +24,7 @@ class Generation:
 
 
 class Generator:
-    def __init__(self, model: OrtModel):
+    def __init__(self, model: Model):
         self.model = model
         self.config = model.config
 
@@ -36,24 +38,13 @@ class Generator:
             raise K2Error(f"prompt ({len(prompt)}) plus max new tokens ({max_new_tokens}) exceeds the context of "
                           f"{self.config.max_position_embeddings} positions")
 
-    def prefill(self, prompts: list[list[int]], cache) -> np.ndarray:
+    def prefill(self, prompts: list[list[int]], cache: Cache) -> np.ndarray:
         """Runs the prompts (rows right-padded) into an empty cache -> logits at each row's last token [b, vocab]."""
-        lengths = np.array([len(p) for p in prompts])
-        width = int(lengths.max())
-        token_ids = np.zeros((len(prompts), width), dtype=np.int64)
-        for row, prompt in enumerate(prompts):
-            token_ids[row, : len(prompt)] = prompt
-        positions = np.broadcast_to(np.arange(width, dtype=np.int64), token_ids.shape).copy()
-        valid = positions < lengths[:, None]
-        hidden = self.model.forward(token_ids, positions, valid, cache)
-        last = hidden[np.arange(len(prompts)), lengths - 1][:, None]  # [b, 1, m]
-        return self.model.logits(last)[:, 0]
+        return Steps(self.model, cache).prefill(list(range(len(prompts))), prompts)
 
-    def decode(self, tokens: np.ndarray, active: np.ndarray, cache) -> np.ndarray:
+    def decode(self, tokens: np.ndarray, active: np.ndarray, cache: Cache) -> np.ndarray:
         """One token per row at the end of its sequence -> logits [b, vocab]; inactive rows leave the cache alone."""
-        positions = cache.lengths[:, None].copy()
-        hidden = self.model.forward(tokens[:, None].astype(np.int64), positions, active[:, None], cache)
-        return self.model.logits(hidden)[:, 0]
+        return Steps(self.model, cache).decode(list(range(len(tokens))), tokens, active)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         for prompt in prompts:
@@ -90,7 +81,4 @@ class Generator:
     def score(self, prompt: list[int]) -> np.ndarray:
         """float32 logits of every prompt position [len, vocab], from one prefill."""
         self.check_prompt(prompt)
-        cache = self.model.new_cache(1, len(prompt))
-        positions = np.arange(len(prompt), dtype=np.int64)[None]
-        hidden = self.model.forward(np.array([prompt], dtype=np.int64), positions, np.ones_like(positions, dtype=bool), cache)
-        return self.model.logits(hidden)[0]
+        return Steps(self.model, self.model.new_cache(1, len(prompt))).prefill([0], [prompt], every_position=True)[0]

@@ -32,14 +32,18 @@ def session_options(threads: int | None) -> ort.SessionOptions:
     return options
 
 
-def resolve_provider(name: str) -> list[str]:
+def resolve_provider(name: str, device_id: int | None = None) -> list:
+    """ONNX Runtime's providers for `name`, on GPU `device_id` where one is given."""
     if name not in PROVIDERS:
         raise K2Error(f"unknown provider {name!r}; choose one of {', '.join(PROVIDERS)}")
     available = ort.get_available_providers()
     if PROVIDERS[name] not in available:
         raise K2Error(f"provider {name} is not available in this onnxruntime (it offers {', '.join(available)}); "
                       f"install onnxruntime-gpu for cuda and tensorrt")
-    return [PROVIDERS[name]] + (["CPUExecutionProvider"] if name != "cpu" else [])
+    if name == "cpu":
+        return [PROVIDERS[name]]
+    chosen = (PROVIDERS[name], {"device_id": device_id}) if device_id is not None else PROVIDERS[name]
+    return [chosen, "CPUExecutionProvider"]
 
 
 ORT_TYPES = {"tensor(float)": "FLOAT", "tensor(float16)": "FLOAT16", "tensor(bfloat16)": "BFLOAT16",
@@ -79,9 +83,11 @@ def check_against_graphs(manifest: Manifest, loaded: list) -> None:
 
 
 class OrtModel:
-    """The embedding, decoder layers and head of one artifact, ready to run."""
+    """The embedding, decoder layers and head of one artifact, ready to run; or, as a pipeline stage, a range of
+    its decoder layers (with the embedding when it starts at layer 0, the head when it ends at the last)."""
 
-    def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None):
+    def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
+                 layers: range | None = None, device_id: int | None = None):
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
@@ -89,18 +95,22 @@ class OrtModel:
         self.config = manifest.config
         self.kv_cache = manifest.kv_cache
         check_runnable(artifact_target(manifest.data), "onnxruntime", provider)
-        providers = resolve_provider(provider)
+        providers = resolve_provider(provider, device_id)
         options = session_options(threads)
 
         def load(entry: dict) -> ort.InferenceSession:
             return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers,
                                         disabled_optimizers=DISABLED_OPTIMIZERS)
 
-        self.embed_session = load(manifest.graphs["embed"])
-        self.layer_sessions = [load(entry) for entry in manifest.graphs["layers"]]
-        self.head_session = load(manifest.graphs["head"])
-        check_against_graphs(manifest, [(manifest.graphs["embed"], self.embed_session), (manifest.graphs["head"], self.head_session),
-                                        *zip(manifest.graphs["layers"], self.layer_sessions)])
+        entries = manifest.graphs["layers"]
+        self.layers = layers if layers is not None else range(len(entries))
+        self.first, self.last = self.layers.start == 0, self.layers.stop == len(entries)
+        self.embed_session = load(manifest.graphs["embed"]) if self.first else None
+        self.layer_sessions = [load(entries[i]) for i in self.layers]
+        self.head_session = load(manifest.graphs["head"]) if self.last else None
+        loaded = [(manifest.graphs[name], session) for name, session in
+                  (("embed", self.embed_session), ("head", self.head_session)) if session is not None]
+        check_against_graphs(manifest, [*loaded, *zip((entries[i] for i in self.layers), self.layer_sessions)])
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
 
     @property
@@ -110,16 +120,22 @@ class OrtModel:
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         return LatentCache(self.kv_cache, self.num_layers, batch, max_len)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, cache: LatentCache) -> np.ndarray:
-        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the cache gains the valid entries.
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, rows) -> np.ndarray:
+        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the rows' slots gain the
+        valid entries and `rows.lengths` the grown lengths (`rows.commit()` makes them the cache's).
 
-        Row i's cache must hold exactly positions[i, 0] tokens: its new tokens follow them.
+        Row i's slot must hold exactly positions[i, 0] tokens: its new tokens follow them. A stage that does not
+        start at layer 0 takes the previous stage's hidden [b, s, m] in place of token_ids.
         """
-        started = time.perf_counter()
-        hidden = self.embed_session.run(None, {"token_ids": token_ids})[0]
-        self._timed("embed", started)
-        b, s = token_ids.shape
+        if self.first:
+            started = time.perf_counter()
+            hidden = self.embed_session.run(None, {"token_ids": token_ids})[0]
+            self._timed("embed", started)
+        else:
+            hidden = np.ascontiguousarray(token_ids, dtype=np.float32)
+        b, s = positions.shape
         past = int(positions[:, 0].max())
+        cache = rows
         for layer, session in enumerate(self.layer_sessions):
             started = time.perf_counter()
             binding = session.io_binding()
@@ -134,12 +150,12 @@ class OrtModel:
                 binding.bind_ortvalue_output(name, cache.ortvalue(name, array))
             session.run_with_iobinding(binding)
             cache.store(layer, positions, valid, entries)
-            self._timed(f"layer_{layer:03d}", started)
+            self._timed(f"layer_{self.layers.start + layer:03d}", started)
         cache.lengths = np.maximum(cache.lengths, np.where(valid, positions + 1, 0).max(axis=1))
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [b, s, m] -> logits [b, s, vocab] float32."""
+        """hidden [b, s, m] -> logits [b, s, vocab] float32 (on the stage that ends at the last layer)."""
         started = time.perf_counter()
         logits = self.head_session.run(None, {"hidden": hidden})[0]
         self._timed("head", started)

@@ -129,8 +129,9 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     valid = np.ones_like(prompt, dtype=bool)
 
     own = model.new_cache(1, 16)
-    own_logits = [model.logits(model.forward(prompt, positions, valid, own))[0, -1]]
-    own_logits.append(model.logits(model.forward(np.array([[7]]), np.array([[5]]), np.ones((1, 1), bool), own))[0, 0])
+    own_logits = [model.logits(model.forward(prompt, positions, valid, own.rows([0])))[0, -1]]
+    own_logits.append(model.logits(model.forward(np.array([[7]]), np.array([[5]]), np.ones((1, 1), bool),
+                                                 own.rows([0])))[0, 0])
 
     shared = model.new_cache(4, 16)
     shared.latent[:] = 1  # stale entries of other slots must not leak in
@@ -142,6 +143,7 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
                                                     np.ones((1, 1), bool), rows))[0, 0])
     rows.commit()
     np.testing.assert_array_equal(own_logits, shared_logits)
+    assert own.lengths.tolist() == [0]  # a forward alone does not advance the cache: its view's commit does
     assert shared.lengths.tolist() == [0, 0, 6, 0]
     np.testing.assert_array_equal(shared.latent[:, :6, 2], own.latent[:, :6, 0])
     assert (shared.latent[:, :, [0, 1, 3]] == 1).all()

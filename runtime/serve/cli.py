@@ -91,7 +91,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     artifact = Path(args.artifact)
     manifest = load_manifest(artifact)
     tokenizer = load_tokenizer(artifact / "tokenizer", manifest.config.vocab_size)  # None: token-id prompts only
-    model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads)
+    model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads, placement=args.placement,
+                         ray=args.ray, cache_shape=(args.max_batch, min(args.max_context,
+                                                                        manifest.config.max_position_embeddings)))
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
     model_name = args.model_name or artifact.resolve().name

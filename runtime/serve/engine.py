@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..sampling import sample
+from ..steps import Steps
 from .metrics import ServerMetrics
 from .requests import GenerationRequest, Update
 from .scheduler import Scheduler
@@ -40,12 +41,13 @@ log = logging.getLogger("k2deploy.serve")
 
 
 class Engine:
-    """model: an OrtModel or TrtModel (`runtime.tensorrt.load_backend`); its cache holds max_batch slots."""
+    """model: any backend of the runtime interface (`runtime.interface.Model`); its cache holds max_batch slots."""
 
     def __init__(self, model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics):
         self.model = model
         self.context = min(model.config.max_position_embeddings, max_context)  # positions per slot
         self.cache = model.new_cache(max_batch, self.context)
+        self.steps = Steps(model, self.cache)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.metrics = metrics
         self.stopping = threading.Event()
@@ -105,38 +107,26 @@ class Engine:
 
     def _prefill(self, requests: list[GenerationRequest]) -> None:
         chunks = [r.next_chunk(PREFILL_CHUNK) for r in requests]
-        lengths = np.array([len(c) for c in chunks])
-        token_ids = np.zeros((len(requests), lengths.max()), dtype=np.int64)
-        for row, chunk in enumerate(chunks):
-            token_ids[row, : len(chunk)] = chunk
-        steps = np.arange(token_ids.shape[1], dtype=np.int64)
-        positions = np.array([r.cached for r in requests], dtype=np.int64)[:, None] + steps  # after what each holds
-        logits = self._forward(requests, token_ids, positions, steps < lengths[:, None], lengths - 1)
+        logits = self._forward(requests, lambda slots: self.steps.prefill(slots, chunks))
         if logits is None:
             return
-        for request, length in zip(requests, lengths):
-            request.cached += int(length)
-        self.metrics.prompt_tokens.inc(int(lengths.sum()))
+        for request, chunk in zip(requests, chunks):
+            request.cached += len(chunk)
+        self.metrics.prompt_tokens.inc(sum(map(len, chunks)))
         complete = [row for row, r in enumerate(requests) if not r.prefilling]
         self._emit([requests[row] for row in complete], logits[complete])
 
     def _decode(self, requests: list[GenerationRequest]) -> None:
-        token_ids = np.array([[r.generated[-1]] for r in requests], dtype=np.int64)
-        positions = self.cache.lengths[[r.slot for r in requests]][:, None]  # after what each slot holds
-        logits = self._forward(requests, token_ids, positions, np.ones_like(token_ids, dtype=bool),
-                               np.zeros(len(requests), dtype=np.int64))
+        tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
+        logits = self._forward(requests, lambda slots: self.steps.decode(slots, tokens))
         if logits is not None:
             self._emit(requests, logits)
 
-    def _forward(self, requests: list[GenerationRequest], token_ids: np.ndarray, positions: np.ndarray,
-                 valid: np.ndarray, last: np.ndarray) -> np.ndarray | None:
-        """One forward over the requests' cache rows -> logits [rows, vocab] at index `last` of each row;
-        None when it failed (each request then got an error and left)."""
-        rows = self.cache.rows([r.slot for r in requests])
+    def _forward(self, requests: list[GenerationRequest], step) -> np.ndarray | None:
+        """One step over the requests' slots -> logits [rows, vocab]; None when it failed (each request then got
+        an error and left)."""
         try:
-            hidden = self.model.forward(token_ids, positions, valid, rows)
-            rows.commit()
-            return self.model.logits(hidden[np.arange(len(requests)), last][:, None])[:, 0]
+            return step([r.slot for r in requests])
         except Exception as exc:
             for request in requests:
                 self._fail(request, exc)

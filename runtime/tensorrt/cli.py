@@ -54,3 +54,10 @@ def add_backend_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
                         help="onnxruntime (default; --provider applies) or tensorrt (the engines of "
                              "`k2deploy build-engines` for this GPU)")
+    parser.add_argument("--placement", metavar="auto|RANGES",
+                        help="run the layers as pipeline stages: auto (one stage per visible GPU, or one cpu stage), "
+                             "or ranges such as 0:31@cuda:0,31:61@cuda:1 (cpu too; hN/ names host N, on Ray); each "
+                             "stage is checked against its device's memory")
+    parser.add_argument("--ray", metavar="auto|ADDRESS",
+                        help="run the stages on Ray actors: auto joins (or starts) the cluster of this host, "
+                             "ADDRESS joins HOST:PORT; --placement defaults to auto")

@@ -1,5 +1,5 @@
-"""One place that picks the runtime backend: ONNX Runtime or TensorRT, behind the interface of `OrtModel`
-(config, kv_cache, num_layers, new_cache(batch, max_len), forward(...), logits(hidden), stage_seconds)."""
+"""One place that picks the runtime backend: ONNX Runtime, TensorRT, or ONNX Runtime stages placed over devices
+(in this process or on Ray), all behind the runtime interface (`runtime.interface.Model`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ from .environment import require_tensorrt
 BACKENDS = ("onnxruntime", "tensorrt")
 
 
-def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None = None):
+def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None = None, placement: str | None = None,
+                 ray: str | None = None, cache_shape: tuple[int, int] | None = None):
     """The model of an artifact on backend `name`. provider and threads apply to ONNX Runtime; TensorRT runs
-    the engines `k2deploy build-engines` built for this GPU (a K2Error says how to build or install them)."""
+    the engines `k2deploy build-engines` built for this GPU (a K2Error says how to build or install them).
+    A placement ("auto" or "0:31@cuda:0,31:61@cuda:1") or a Ray address runs ONNX Runtime stages, each checked
+    against its device's memory for a cache of cache_shape = (max batch, max context)."""
+    if placement is not None or ray is not None:
+        if name != "onnxruntime":
+            raise K2Error("--placement and --ray run ONNX Runtime stages; drop --backend tensorrt")
+        from ..placed import load_placed
+
+        batch, context = cache_shape or (1, manifest.config.max_position_embeddings)
+        return load_placed(manifest, placement, ray, provider, threads, batch, context)
     if name == "onnxruntime":
         from ..ort_backend import OrtModel
 
