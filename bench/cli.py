@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from ..command import run_command
+from ..commands.command import run_command
 from ..errors import K2Error
 from ..runtime.tensorrt.cli import add_backend_argument
 

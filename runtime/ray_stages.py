@@ -2,13 +2,15 @@
 (a GPU stage asks Ray for one GPU; a stage of host N runs on the N-th node); the driver holds neither.
 
 A forward chains the stages' calls by object reference, so each stage's hidden state goes to the next
-through Ray's object store without a round trip to the driver. A stage that dies fails the forwards that
+through Ray's object store without a round trip to the driver; a batch of several rows goes as
+micro-batches, one per stage, so that the stages work at the same time. A stage that dies fails the forwards that
 used it; Ray restarts its actor (up to ACTOR_RESTARTS times), which loads its sessions again, and
 `problem()` gives it a fresh cache once it answers. No torch is imported here or in the actors.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 
@@ -58,7 +60,7 @@ class RayStages:
         self.shape: tuple[int, int] | None = None
         remote = ray.remote(Stage)
         nodes = _nodes_by_host(ray, max(p.host for p in placements) + 1)
-        prefix = f"k2deploy-{uuid.uuid4().hex[:8]}"
+        prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
         self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]
         self.actors = []
         for name, placement in zip(self.names, placements):
@@ -79,10 +81,15 @@ class RayStages:
         return sum(self._get([actor.allocate.remote(batch, max_len) for actor in self.actors], "allocating the cache"))
 
     def forward(self, token_ids, positions, valid, slots) -> np.ndarray:
-        ref = token_ids
-        for actor in self.actors:  # each stage's hidden goes straight to the next
-            ref = actor.forward.remote(ref, positions, valid, slots)
-        return self._get(ref, "a forward")
+        """The rows as up to one micro-batch per stage, all submitted at once: while stage k runs micro-batch i,
+        stage k + 1 runs micro-batch i - 1 (each actor takes its calls in order)."""
+        refs = []
+        for part in np.array_split(np.arange(len(slots)), min(len(slots), len(self.actors))):
+            ref = token_ids[part]
+            for actor in self.actors:  # each stage's hidden goes straight to the next
+                ref = actor.forward.remote(ref, positions[part], valid[part], [slots[i] for i in part])
+            refs.append(ref)
+        return np.concatenate(self._get(refs, "a forward"))
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self._get(self.actors[-1].logits.remote(hidden), "the head")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cli import run_cli
-from k2deploy.command import run_command
+from k2deploy.commands.command import run_command
 from k2deploy.errors import K2Error
 from k2deploy.manifest import MANIFEST_FILE, file_record
 

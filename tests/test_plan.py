@@ -12,7 +12,8 @@ from k2deploy.checkpoint.presets import preset_config
 from k2deploy.errors import K2Error
 from k2deploy.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_fits, format_placement,
                                 parse_devices, parse_placement)
-from k2deploy.plan import add_plan_parser, plan
+from k2deploy.commands.plan_command import add_plan_parser
+from k2deploy.plan import plan
 
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
 

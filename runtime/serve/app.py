@@ -52,9 +52,10 @@ class Service:
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
-        if self.engine.alive:
+        problem = await asyncio.to_thread(self.engine.health)
+        if problem is None:
             return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "the engine thread has stopped"}, status_code=503)
+        return JSONResponse({"status": problem}, status_code=503, headers={"Retry-After": RETRY_AFTER_S})
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.render(), media_type=self.metrics.content_type)
@@ -69,6 +70,10 @@ class Service:
         return await self.generate(request, chat=True)
 
     async def generate(self, request: Request, chat: bool) -> Response:
+        problem = await asyncio.to_thread(self.engine.health)
+        if problem is not None:
+            raise ApiError(503, f"The model is unavailable: {problem}. Retry after a moment.", type="server_error",
+                           code="unavailable", headers={"Retry-After": RETRY_AFTER_S})
         body = await self.read_body(request)
         # parsing and tokenising a large body takes time: off the event loop, so /health and streams keep answering
         options = await asyncio.to_thread(lambda: parse_options(parse_json(body), chat))

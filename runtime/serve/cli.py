@@ -12,7 +12,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ...command import run_command
+from ...commands.command import run_command
 from ...errors import K2Error
 from ..tensorrt.cli import add_backend_argument
 

@@ -50,6 +50,7 @@ class Engine:
         self.steps = Steps(model, self.cache)
         self.scheduler = Scheduler(max_batch, max_queue)
         self.metrics = metrics
+        self.fault: str | None = None  # a pipeline stage is down: why (requests get 503 until it is back)
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="k2deploy-engine", daemon=True)
         metrics.slots.set(max_batch)
@@ -69,6 +70,19 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
+
+    def health(self) -> str | None:
+        """None while the engine takes requests, else why not in one line. After a stage failed, the pipeline is
+        asked again each time (a restarted stage answers and gets its cache back). Blocking: call off the loop."""
+        if not self.alive:
+            return "the engine thread has stopped"
+        if self.fault is not None:
+            self.fault = self._problem()
+        return self.fault
+
+    def _problem(self) -> str | None:
+        problem = getattr(self.model, "problem", None)  # pipelines of stages; a single process has no stages to lose
+        return problem() if problem else None
 
     def submit(self, request: GenerationRequest) -> None:
         """Queues a request (QueueFull when there is no room); the engine admits it at its next step."""
@@ -130,6 +144,7 @@ class Engine:
         except Exception as exc:
             for request in requests:
                 self._fail(request, exc)
+            self.fault = self._problem()
             return None
 
     def _emit(self, requests: list[GenerationRequest], logits: np.ndarray) -> None:

@@ -1,4 +1,4 @@
-"""The `build-engines` command and the `--backend` option, for `k2deploy.cli` to register."""
+"""The `build-engines` command and the `--backend` option, for `k2deploy.commands.cli` to register."""
 
 from __future__ import annotations
 

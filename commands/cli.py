@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 from .command import run_command
-from .errors import K2Error
-from .bench.cli import add_bench_parser
-from .plan import add_plan_parser
-from .runtime.serve.cli import add_serve_parser
-from .runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
+from ..errors import K2Error
+from ..bench.cli import add_bench_parser
+from .plan_command import add_plan_parser
+from ..runtime.serve.cli import add_serve_parser
+from ..runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
 
 
 def _print_json(obj: dict) -> None:
@@ -23,8 +23,8 @@ def _print_json(obj: dict) -> None:
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from .checkpoint.presets import SHARD_BYTES, preset_config
-    from .checkpoint.synthetic import checkpoint_bytes, write_checkpoint
+    from ..checkpoint.presets import SHARD_BYTES, preset_config
+    from ..checkpoint.synthetic import checkpoint_bytes, write_checkpoint
 
     config = preset_config(args.preset, layers=args.layers, overrides=args.set or [])
     total = checkpoint_bytes(config)
@@ -42,19 +42,19 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from .manifest import MANIFEST_FILE
+    from ..manifest import MANIFEST_FILE
 
     if (Path(args.path) / ".export-journal.json").exists() and not (Path(args.path) / MANIFEST_FILE).exists():
         raise K2Error(f"{args.path}: unfinished export, rerun export to resume")
     if (Path(args.path) / MANIFEST_FILE).exists():
-        from .inspect_artifact import describe_artifact, format_artifact
-        from .manifest import load_manifest
+        from ..inspect_artifact import describe_artifact, format_artifact
+        from ..manifest import load_manifest
 
         info = describe_artifact(load_manifest(args.path, verify_hashes=False))
         text = format_artifact
     else:
-        from .checkpoint.reader import Checkpoint
-        from .inspect_checkpoint import describe_checkpoint, format_checkpoint
+        from ..checkpoint.reader import Checkpoint
+        from ..inspect_checkpoint import describe_checkpoint, format_checkpoint
 
         with Checkpoint.open(args.path) as checkpoint:
             info = describe_checkpoint(checkpoint)
@@ -75,7 +75,7 @@ def _layer_range(text: str | None) -> tuple[int, int] | None:
 def _export_side():
     """The exporter, or a K2Error naming the extra to install (a serving host has no torch)."""
     try:
-        from .export import exporter
+        from ..export import exporter
     except ImportError as exc:
         raise K2Error(f"exporting needs torch and onnx ({exc}): pip install 'k2deploy[export]'") from None
     return exporter
@@ -85,7 +85,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     exporter = _export_side()
-    from .targets import check_target, default_target
+    from ..targets import check_target, default_target
 
     target = check_target(args.target) if args.target else default_target()
     options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
@@ -131,9 +131,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
     """The artifact's model on the chosen backend (or placed stages) for one sequence of `positions`."""
-    from .manifest import load_manifest
-    from .runtime.generator import Generator
-    from .runtime.tensorrt.factory import load_backend
+    from ..manifest import load_manifest
+    from ..runtime.generator import Generator
+    from ..runtime.tensorrt.factory import load_backend
 
     return Generator(load_backend(args.backend, manifest or load_manifest(args.artifact), provider=args.provider,
                                   threads=args.threads, placement=args.placement, ray=args.ray,
@@ -148,7 +148,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def _read_tools(path: str) -> list[dict]:
-    from .runtime.chat_tools import check_tools
+    from ..runtime.chat_tools import check_tools
 
     try:
         tools = json.loads(Path(path).read_text(encoding="utf-8"))
@@ -163,11 +163,11 @@ def _read_tools(path: str) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from .manifest import load_manifest
-    from .runtime.chat_tools import ToolSteering
-    from .runtime.sampling import SamplingParams
-    from .runtime.tool_calls import ToolCallParser
-    from .tokenizer_files import load_tokenizer
+    from ..manifest import load_manifest
+    from ..runtime.chat_tools import ToolSteering
+    from ..runtime.sampling import SamplingParams
+    from ..runtime.tool_calls import ToolCallParser
+    from ..tokenizer_files import load_tokenizer
 
     if args.tools and not args.chat:
         raise K2Error("--tools needs --chat (tools are declared in the chat template)")

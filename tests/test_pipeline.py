@@ -1,0 +1,103 @@
+"""Pipeline stages over layer ranges, in one process and on Ray actors (Ray started here, on this host): the prompt
+logits and greedy tokens of one process; the server over Ray stages, and a stage that dies mid-stream."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from cli import run_cli
+
+from k2deploy.manifest import load_manifest
+from k2deploy.runtime.generator import Generator
+from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.tensorrt.factory import load_backend
+
+ray = pytest.importorskip("ray")
+
+PLACEMENTS = ["0:1@cpu,1:3@cpu", "0:1@cpu,1:2@cpu,2:3@cpu"]
+PROMPTS = [[5, 17, 300, 42, 9, 77, 3], [8, 1, 640]]
+
+
+@pytest.fixture(scope="module")
+def ray_address():
+    ray.init(num_cpus=4, include_dashboard=False, namespace="k2deploy", log_to_driver=False)
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _whole_and_placed(artifact, placement, ray_address):
+    manifest = load_manifest(artifact)
+    whole = Generator(OrtModel(manifest, threads=1))
+    placed = Generator(load_backend("onnxruntime", manifest, threads=1, placement=placement, ray=ray_address))
+    return whole, placed
+
+
+@pytest.mark.parametrize("on_ray", [False, True], ids=["one process", "ray actors"])
+@pytest.mark.parametrize("placement", PLACEMENTS, ids=["2 stages", "3 stages"])
+@pytest.mark.parametrize("cache", ["fp8", "bf16"])
+def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_address, cache, placement, on_ray):
+    whole, placed = _whole_and_placed(tiny_artifacts[cache], placement, ray_address if on_ray else None)
+    difference = np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max()
+    assert difference <= 1e-5, difference
+    params = SamplingParams(max_new_tokens=8)
+    assert ([g.token_ids for g in placed.generate(PROMPTS, params)]
+            == [g.token_ids for g in whole.generate(PROMPTS, params)])
+
+
+def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
+    whole, placed = _whole_and_placed(tiny_cpu_artifact, PLACEMENTS[0], ray_address)
+    assert np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max() <= 1e-5
+    assert placed.model.stage_seconds.keys() >= {"embed", "layer_000", "layer_002", "head"}
+
+
+def test_a_placement_that_does_not_fit_says_what_would(tiny_artifacts):
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    with pytest.raises(Exception, match=r"stage 0 \(layers 0:3 on h0/cpu\) needs .* would fit"):
+        load_backend("onnxruntime", manifest, placement="0:3@cpu", cache_shape=(4096, 10**9))
+
+
+def test_an_unreachable_ray_address_is_one_line(tiny_artifacts):
+    done = run_cli("generate", tiny_artifacts["fp8"], "--prompt-ids", "1,2", "--ray", "127.0.0.1:9")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
+    assert "no Ray cluster answers there" in done.stderr
+
+
+def test_serving_over_ray_stages_survives_a_stage_that_dies(tiny_artifacts, ray_address, tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from serving import MODEL, Server
+
+    server = Server(tiny_artifacts["bf16"], tmp_path, "--ray", ray_address, "--placement", PLACEMENTS[0],
+                    "--max-batch", "2")
+    try:
+        client = server.client()
+        whole = Generator(OrtModel(load_manifest(tiny_artifacts["bf16"]), threads=1))
+        answer = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        expected = whole.generate([PROMPTS[1]], SamplingParams(max_new_tokens=6))[0]
+        assert answer.usage.completion_tokens == len(expected.token_ids)
+
+        stage = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith(f"k2deploy-{server.process.pid}-") and a["name"].endswith("-stage-1"))
+        stream = iter(client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=3000, temperature=0,
+                                                stream=True))
+        next(stream)
+        ray.kill(ray.get_actor(stage, namespace="k2deploy"), no_restart=False)  # Ray restarts it
+        with pytest.raises(openai.APIError, match="pipeline stage"):
+            for _ in stream:
+                pass
+        deadline = time.monotonic() + 90
+        statuses = set()
+        while (health := httpx.get(f"{server.url}/health", timeout=30)).status_code != 200:
+            statuses.add((health.status_code, "pipeline stage 1" in health.json()["status"]))
+            assert time.monotonic() < deadline, health.text
+            time.sleep(0.5)
+        assert statuses <= {(503, True)}
+        again = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=0)
+        assert again.choices[0].text == answer.choices[0].text
+    finally:
+        server.stop()
