@@ -1,16 +1,18 @@
-"""Prefill, then decode token by token, for a static batch of prompts of different lengths, through the step
-loop (`steps.Steps`) on any backend of the runtime interface."""
+"""Generation for `k2deploy generate`, score and the benchmarks: a batch of prompts as requests of the step loop
+(`step_loop.StepLoop`, the server's), on any backend of the runtime interface; and the single prefill and
+decode forwards (`steps.Steps`) that benchmarks time one by one."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import K2Error
 from .interface import Cache, Model
-from .sampling import SamplingParams, sample
+from .requests import GenerationRequest
+from .sampling import SamplingParams
+from .step_loop import StepLoop
 from .steps import Steps
 
 
@@ -47,35 +49,23 @@ class Generator:
         return Steps(self.model, cache).decode(list(range(len(tokens))), tokens, active)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
+        """The prompts as requests of the step loop, run until each finished (a stop id or max_new_tokens)."""
         for prompt in prompts:
             self.check_prompt(prompt, params.max_new_tokens)
-        started = time.perf_counter()
-        cache = self.model.new_cache(len(prompts), max(len(p) for p in prompts) + params.max_new_tokens)
-        results = [Generation(list(p)) for p in prompts]
-        rngs = [np.random.default_rng(None if params.seed is None else [params.seed, row]) for row in range(len(prompts))]
-        logits = self.prefill(prompts, cache)
-        active = np.ones(len(prompts), dtype=bool)
-        tokens = np.zeros(len(prompts), dtype=np.int64)
-        first_token_at = None
-        for step in range(params.max_new_tokens):
-            for row in np.flatnonzero(active):
-                token = sample(logits[row], params, rngs[row])
-                if token in params.stop_ids:
-                    results[row].finish_reason = "stop"
-                    active[row] = False
-                else:
-                    results[row].token_ids.append(token)
-                    tokens[row] = token
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if not active.any() or step == params.max_new_tokens - 1:
-                break
-            logits = self.decode(tokens, active, cache)
-        finished = time.perf_counter()
-        for result in results:
-            result.ttft_ms = (first_token_at - started) * 1e3
-            later = max(len(result.token_ids) - 1, 0)
-            result.tpot_ms = (finished - first_token_at) * 1e3 / later if later else 0.0
+        loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
+        requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row)
+                    for row, p in enumerate(prompts)]
+        for request in requests:
+            loop.submit(request)
+        loop.run_until_done()
+        results = []
+        for request in requests:
+            if request.error is not None:
+                raise K2Error(request.error)
+            later = len(request.generated) - 1
+            results.append(Generation(request.prompt_ids, list(request.generated), request.finish_reason,
+                                      (request.first_token_at - request.arrived_at) * 1e3,
+                                      (request.last_token_at - request.first_token_at) * 1e3 / later if later > 0 else 0.0))
         return results
 
     def score(self, prompt: list[int]) -> np.ndarray:

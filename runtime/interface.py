@@ -18,6 +18,11 @@ import numpy as np
 from ..config import ModelConfig
 
 
+def grown_lengths(lengths: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """lengths [rows] after a forward wrote the valid positions [rows, s]: what a forward leaves in its view."""
+    return np.maximum(lengths, np.where(valid, positions + 1, 0).max(axis=1))
+
+
 class CacheView(Protocol):
     lengths: np.ndarray  # [rows] int64: tokens each row holds; a forward leaves them grown
 

@@ -15,6 +15,7 @@ from ..cache_format import CacheFormat
 from ..errors import K2Error
 from ..manifest import Manifest
 from ..targets import artifact_target, check_runnable
+from .interface import grown_lengths
 from .kv_cache import LatentCache
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
@@ -151,7 +152,7 @@ class OrtModel:
             session.run_with_iobinding(binding)
             cache.store(layer, positions, valid, entries)
             self._timed(f"layer_{self.layers.start + layer:03d}", started)
-        cache.lengths = np.maximum(cache.lengths, np.where(valid, positions + 1, 0).max(axis=1))
+        cache.lengths = grown_lengths(cache.lengths, positions, valid)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ import numpy as np
 from ..errors import K2Error
 from ..manifest import load_manifest
 from ..placement import Stage as Placement
+from .interface import grown_lengths
 from .ort_backend import OrtModel
 
 
@@ -135,7 +136,7 @@ class PipelineModel:
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
                 rows: PipelineRows) -> np.ndarray:
         hidden = self.stages.forward(token_ids, positions, valid, rows.slots)
-        rows.lengths = np.maximum(rows.lengths, np.where(valid, positions + 1, 0).max(axis=1))
+        rows.lengths = grown_lengths(rows.lengths, positions, valid)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

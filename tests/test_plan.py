@@ -14,6 +14,7 @@ from k2deploy.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_
                                 parse_devices, parse_placement)
 from k2deploy.commands.plan_command import add_plan_parser
 from k2deploy.plan import plan
+from k2deploy.sizes import kv_cache_bytes_per_token
 
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
 
@@ -46,7 +47,7 @@ def test_k2_on_16_h200_holds_the_checkpoint_and_its_cache(k2, k2_on_two_hosts):
     checkpoint = nbytes(layout.all_tensors(k2))
     assert sum(r["weights_bytes"] for r in rows) == info["totals"]["weights_bytes"] == checkpoint
     per_token = CacheFormat.for_config(k2, "fp8").bytes_per_token_per_layer
-    assert per_token == 656
+    assert per_token == 656 == kv_cache_bytes_per_token(k2)["fp8_latent"]  # core/sizes.py's figure
     assert sum(r["cache_bytes"] for r in rows) == info["totals"]["cache_bytes"] == 8 * 131072 * 61 * 656
     for r in rows:
         a, b = r["layers"]

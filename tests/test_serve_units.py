@@ -9,8 +9,8 @@ import pytest
 from k2deploy.runtime.sampling import SamplingParams
 from k2deploy.runtime.serve.cli import add_serve_parser
 from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
-from k2deploy.runtime.serve.requests import GenerationRequest, TextStream
-from k2deploy.runtime.serve.scheduler import QueueFull, Scheduler
+from k2deploy.runtime.requests import GenerationRequest, TextStream
+from k2deploy.runtime.scheduler import QueueFull, Scheduler
 
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\u00e9"}
 

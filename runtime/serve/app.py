@@ -31,8 +31,8 @@ from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, max_new_tokens, models_list, parse_json,
                        parse_options, sse, usage)
-from .requests import GenerationRequest, Update
-from .scheduler import QueueFull
+from ..requests import GenerationRequest, Update
+from ..scheduler import QueueFull
 
 OPEN_ROUTES = {"/health"}  # reachable without the API key
 RETRY_AFTER_S = "1"

@@ -7,6 +7,7 @@ libraries load when the command runs. `python -m k2deploy.runtime.serve ART ...`
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -51,7 +52,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="ONNX Runtime execution provider (default: cpu)")
     parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
-                        help="uvicorn's log level; info logs every request (default: info)")
+                        help="uvicorn's and the engine's log level; info logs every request and every "
+                             "failed one (default: info)")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -104,6 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
           f"{args.provider if args.backend == 'onnxruntime' else args.backend})"
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
+    logging.basicConfig(format="k2deploy serve: %(levelname)s %(message)s")
+    logging.getLogger("k2deploy").setLevel(args.log_level.upper())
     server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
                                              timeout_graceful_shutdown=args.drain_timeout))
     server.run(sockets=[listener])

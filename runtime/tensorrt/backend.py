@@ -19,6 +19,7 @@ import numpy as np
 from ...cache_format import CacheFormat
 from ...errors import K2Error
 from ...manifest import Manifest
+from ..interface import grown_lengths
 from .cuda import CudaRuntime, stream_handle
 from .device_cache import DeviceBuffer, DeviceCacheRows, DeviceLatentCache, entry_widths
 from .environment import detect_gpu, require_tensorrt
@@ -166,7 +167,7 @@ class TrtModel:
         hidden = np.empty((b, s, m), dtype=np.float32)
         self.cuda.to_host(hidden, current.pointer, self.stream)
         self.cuda.synchronize(self.stream)
-        cache.lengths = np.maximum(cache.lengths, np.where(valid, positions + 1, 0).max(axis=1))
+        cache.lengths = grown_lengths(cache.lengths, positions, valid)
         self.stage_seconds["layers"] += time.perf_counter() - started
         return hidden
 

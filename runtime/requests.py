@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..sampling import SamplingParams
-from ..tool_calls import CallDelta, ToolCallParser
+from .sampling import SamplingParams
+from .tool_calls import CallDelta, ToolCallParser
 
 
 @dataclass(frozen=True)
@@ -78,11 +78,12 @@ class GenerationRequest:
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
-                 parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False):
+                 parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
+                 row: int = 0):
         self.prompt_ids = prompt_ids
         self.params = params
-        # seeded as `k2deploy generate` seeds row 0, so a seeded request samples what the CLI does
-        self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, 0])
+        # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does
+        self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, row])
         self.text = TextStream(decode, stop) if decode is not None else None
         self.deliver = deliver
         self.parser = parser
@@ -92,6 +93,7 @@ class GenerationRequest:
         self.cached = 0  # prompt tokens already in the slot's cache
         self.generated: list[int] = []  # sampled ids, without a stop id
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed, when a forward it was in failed
         self.cancelled = False
         self.arrived_at = time.perf_counter()
         self.first_token_at: float | None = None
