@@ -22,6 +22,11 @@ def test_generate_score_and_inspect_import_no_torch(tiny_artifacts, tmp_path):
     assert len(result["token_ids"]) == 4 and result["ttft_ms"] > 0 and isinstance(result["text"], str)
     text = run_cli("generate", art, "--prompt", "hello there", "--chat", "--max-new-tokens", "3", "--json", env=env)
     assert text.returncode == 0, text.stderr
+    for ray in ([], ["--ray", "auto"]):  # stages in this process, then on Ray actors started from this environment
+        placed = run_cli("generate", art, "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json",
+                         "--placement", "0:1@cpu,1:3@cpu", *ray, env=env)
+        assert placed.returncode == 0, placed.stderr
+        assert json.loads(placed.stdout)["token_ids"] == result["token_ids"]
     scored = run_cli("score", art, "--prompt-ids", "1,2,3", "--out", tmp_path / "logits.npy", env=env)
     assert scored.returncode == 0, scored.stderr
     assert run_cli("inspect", art, env=env).returncode == 0
