@@ -123,8 +123,6 @@ class _Ours:
 
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
                  placement: str | None = None, ray: str | None = None, cache_shape: tuple[int, int] | None = None):
-        from ..runtime.generator import Generator
-        from ..runtime.sampling import SamplingParams, sample
         from ..runtime.tensorrt.factory import load_backend
 
         rss = current_rss_bytes()
@@ -133,39 +131,40 @@ class _Ours:
                                   cache_shape=cache_shape)
         self.load_seconds = time.perf_counter() - started
         self.weights_rss_bytes = (current_rss_bytes() - rss) if rss is not None else None
-        self.generator = Generator(self.model)
-        self.params = SamplingParams(temperature=0.0)  # greedy: the same tokens on every run
-        self.sample = sample
         self.vocab = self.model.config.vocab_size
 
-    def _sample_rows(self, logits: np.ndarray, rng) -> np.ndarray:
-        return np.array([self.sample(row, self.params, rng) for row in logits], dtype=np.int64)
-
     def run(self, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
-        model, generator = self.model, self.generator
-        ids = prompts(seed, batch, prompt_len, self.vocab).tolist()
-        rng = np.random.default_rng(seed)
-        cache = model.new_cache(batch, prompt_len + gen_len)
-        active = np.ones(batch, dtype=bool)
+        """One batch of greedy requests through the step loop, as `generate` and the server run them: its prefill
+        forwards until every request has its first token, then gen_len - 1 decode forwards, each timed."""
+        from ..runtime.requests import GenerationRequest
+        from ..runtime.sampling import SamplingParams
+        from ..runtime.step_loop import StepLoop
+
+        model = self.model
+        loop = StepLoop(model, batch, prompt_len + gen_len, max_queue=0)
+        params = SamplingParams(temperature=0.0, max_new_tokens=gen_len)  # no stop ids: gen_len tokens each
+        for row, prompt in enumerate(prompts(seed, batch, prompt_len, self.vocab).tolist()):
+            loop.submit(GenerationRequest(prompt, params, (), None, lambda update: None, row=row))
         reset_peak_rss()
         started = time.perf_counter()
-        logits = generator.prefill(ids, cache)
-        prefill = time.perf_counter() - started
-        tokens = self._sample_rows(logits, rng)
+        running = loop.running()
+        while any(r.prefilling and r.slot is not None for r in running):  # a failed request leaves its slot
+            loop.prefill(running)
         ttft = time.perf_counter() - started
+        prefill = ttft - loop.sampling_seconds
         steps, sampling, stages = [], [], []
         for _ in range(gen_len - 1):
             model.stage_seconds.clear()
+            sampled_before = loop.sampling_seconds
             started = time.perf_counter()
-            logits = generator.decode(tokens, active, cache)
-            sampled = time.perf_counter()
-            tokens = self._sample_rows(logits, rng)
-            done = time.perf_counter()
-            steps.append(done - started)
-            sampling.append(done - sampled)
+            loop.decode(running)
+            steps.append(time.perf_counter() - started)
+            sampling.append(loop.sampling_seconds - sampled_before)
             stages.append(dict(model.stage_seconds))  # this step's sessions: embed, layer_NNN, head
+        if any(r.error for r in running):
+            raise K2Error(f"the benchmark's generation failed: {next(r.error for r in running if r.error)}")
         return {"ttft_s": ttft, "prefill_s": prefill, "step_s": steps, "sampling_s": sampling,
-                "stages_s": stages, "kv_cache_bytes": cache.nbytes, "peak_rss_bytes": peak_rss_bytes()}
+                "stages_s": stages, "kv_cache_bytes": loop.cache.nbytes, "peak_rss_bytes": peak_rss_bytes()}
 
 
 def _ms(seconds) -> list[float]:

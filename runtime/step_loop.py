@@ -21,6 +21,7 @@ in a batch unless two logits tie that closely; tests/test_serve_api.py checks 16
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +52,7 @@ class StepLoop:
         self.scheduler = Scheduler(slots, max_queue)
         self.metrics = metrics
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
+        self.sampling_seconds = 0.0  # cumulative time spent choosing tokens, for benchmarks
 
     def submit(self, request: GenerationRequest) -> None:
         """Queues a request (QueueFull when there is no room); it is admitted at the next step."""
@@ -62,6 +64,14 @@ class StepLoop:
             self.step()
 
     def step(self) -> None:
+        """Admits, runs the next prompt chunk of every request still prefilling, then one token for every request
+        whose prompt is in (a prompt that has just come in included)."""
+        running = self.running()
+        self.prefill(running)
+        self.decode(running)
+
+    def running(self) -> list[GenerationRequest]:
+        """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
         self.scheduler.admit()  # into slots that were released (emptied) when their last request left
         running = []
         for request in self.scheduler.running():
@@ -69,9 +79,16 @@ class StepLoop:
                 self._leave(request, "cancelled")
             else:
                 running.append(request)
+        return running
+
+    def prefill(self, running: list[GenerationRequest]) -> None:
+        """The next prompt chunk of each request still prefilling, in one forward; a completed prompt's first token."""
         prefilling = [r for r in running if r.prefilling]
         if prefilling:
             self._prefill(prefilling)
+
+    def decode(self, running: list[GenerationRequest]) -> None:
+        """One token for every request whose prompt is in, in one forward."""
         decoding = [r for r in running if r.slot is not None and not r.prefilling and not r.done]
         if decoding:
             self._decode(decoding)
@@ -119,7 +136,10 @@ class StepLoop:
         """Samples each request's next token from its logits row and sends it; finished requests leave."""
         for request, row in zip(requests, logits):
             previous_at, generated = request.last_token_at, len(request.generated)
-            update = request.accept(sample(row, request.params, request.rng))
+            started = time.perf_counter()
+            token = sample(row, request.params, request.rng)
+            self.sampling_seconds += time.perf_counter() - started
+            update = request.accept(token)
             if self.metrics:
                 if previous_at is None:
                     self.metrics.ttft.observe(request.first_token_at - request.arrived_at)
