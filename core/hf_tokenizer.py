@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .chat_template import ChatTokenizer, read_template
 from .errors import K2Error
-from .tokenizer_files import CONFIG_FILE, GENERATION_FILE, TOKENIZER_JSON
+from .tokenizer_files import CONFIG_FILE, GENERATION_FILE, TOKENIZER_JSON, file_error, read_json_object, read_text
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 # DeepSeek-V3's chat and tool markers: added tokens, not "special" (a decode that skips specials keeps them).
@@ -69,7 +69,7 @@ class HfTokenizer(ChatTokenizer):
         for key in ("bos_token", "eos_token"):
             name = self.template_variables.get(key)
             if name is not None and name not in self.special_ids:
-                raise _error(config_path, f"{key} {name!r} is not one of tokenizer.json's added tokens")
+                raise file_error(config_path, f"{key} {name!r} is not one of tokenizer.json's added tokens")
         eos = self.special_ids.get(self.template_variables.get("eos_token"))
         self.stop_ids = tuple(dict.fromkeys([*_ids(generation.get("eos_token_id")), *([eos] if eos is not None else [])]))
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -80,17 +80,17 @@ class HfTokenizer(ChatTokenizer):
     def from_dir(cls, path: str | Path) -> HfTokenizer:
         folder = Path(path)
         source = folder / TOKENIZER_JSON
-        text = _read_text(source)
+        text = read_text(source)
         try:
             tokenizer = Tokenizer.from_str(text)
             raw = json.loads(text)
             raw["added_tokens"] = []
             plain = Tokenizer.from_str(json.dumps(raw))
         except Exception as exc:  # the library raises a bare Exception for a malformed file
-            raise _error(source, f"is not a tokenizer the tokenizers library can load ({str(exc)[:200]})") from None
+            raise file_error(source, f"is not a tokenizer the tokenizers library can load ({str(exc)[:200]})") from None
         config_path = folder / CONFIG_FILE
-        config = _read_json(config_path) if config_path.exists() else {}
-        generation = _read_json(folder / GENERATION_FILE) if (folder / GENERATION_FILE).exists() else {}
+        config = read_json_object(config_path) if config_path.exists() else {}
+        generation = read_json_object(folder / GENERATION_FILE) if (folder / GENERATION_FILE).exists() else {}
         return cls(tokenizer, plain, config, config_path, folder, generation)
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
@@ -144,27 +144,3 @@ def _token_text(value) -> str | None:
 def _ids(value) -> list[int]:
     values = value if isinstance(value, list) else [value]
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
-
-
-def _error(path: Path, problem: str) -> K2Error:
-    return K2Error(f"{path}: {problem}; copy {path.name} unchanged from the model's Hugging Face repository")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise _error(path, "not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise _error(path, f"cannot be read ({e})") from None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(_read_text(path))
-    except json.JSONDecodeError as e:
-        raise _error(path, f"is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise _error(path, "is not a JSON object")
-    return value
-

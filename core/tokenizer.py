@@ -21,8 +21,7 @@ import jinja2
 import tiktoken
 
 from .chat_template import ChatTokenizer, read_template
-from .errors import K2Error
-from .tokenizer_files import CONFIG_FILE, TIKTOKEN_FILE
+from .tokenizer_files import CONFIG_FILE, TIKTOKEN_FILE, file_error, read_json_object
 
 NUM_SPECIAL = 256
 MIN_VOCAB = 512
@@ -251,7 +250,7 @@ class KimiTokenizer(ChatTokenizer):
         folder = Path(path)
         ranks = _read_ranks(folder / TIKTOKEN_FILE)
         config_path = folder / CONFIG_FILE
-        config = _read_config(config_path)
+        config = read_json_object(config_path)
         special_ids, skipped = _special_ids(config_path, config, first=len(ranks))
         bos_token = _token_name(config_path, config, "bos_token", "[BOS]", special_ids)
         eos_token = _token_name(config_path, config, "eos_token", "[EOS]", special_ids)
@@ -272,18 +271,13 @@ class KimiTokenizer(ChatTokenizer):
         return self._encoding.decode(list(ids))
 
 
-def _error(path: Path, problem: str) -> K2Error:
-    return K2Error(f"{path}: {problem}; copy {path.name} unchanged from the model's Hugging Face "
-                   "repository or regenerate the synthetic tokenizer")
-
-
 def _read_ranks(path: Path) -> dict[bytes, int]:
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
-        raise _error(path, "not found") from None
+        raise file_error(path, "not found") from None
     except OSError as e:
-        raise _error(path, f"cannot be read ({e.strerror})") from None
+        raise file_error(path, f"cannot be read ({e.strerror})") from None
     ranks: dict[bytes, int] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -292,26 +286,12 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except ValueError:
-            raise _error(path, f"line {number} is not '<base64 bytes> <rank>'") from None
+            raise file_error(path, f"line {number} is not '<base64 bytes> <rank>'") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise _error(path, "its ranks are not 0, 1, 2, ... with each token and rank once")
+        raise file_error(path, "its ranks are not 0, 1, 2, ... with each token and rank once")
     if any(bytes([b]) not in ranks for b in range(256)):
-        raise _error(path, "it lacks some of the 256 single-byte tokens")
+        raise file_error(path, "it lacks some of the 256 single-byte tokens")
     return ranks
-
-
-def _read_config(path: Path) -> dict:
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise _error(path, "not found") from None
-    except OSError as e:
-        raise _error(path, f"cannot be read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise _error(path, f"is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise _error(path, "is not a JSON object")
-    return config
 
 
 def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], set[int]]:
@@ -321,7 +301,7 @@ def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], 
         entries = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
         named = {i: entry["content"] for i, entry in entries.items()}
     except (AttributeError, KeyError, TypeError, ValueError):
-        raise _error(path, 'added_tokens_decoder is not {"<id>": {"content": ...}}') from None
+        raise file_error(path, 'added_tokens_decoder is not {"<id>": {"content": ...}}') from None
     ids = range(first, first + NUM_SPECIAL)
     skipped = {i for i in ids if entries.get(i, {}).get("special", True) is not False}
     return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}, skipped
@@ -332,5 +312,5 @@ def _token_name(path: Path, config: dict, key: str, default: str, special_ids: d
     # Hugging Face may store a token as a serialised AddedToken rather than a string.
     name = value.get("content") if isinstance(value, dict) else value
     if name not in special_ids:
-        raise _error(path, f"{key} {name!r} is not one of the special tokens")
+        raise file_error(path, f"{key} {name!r} is not one of the special tokens")
     return name

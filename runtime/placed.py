@@ -3,6 +3,7 @@ memory for its weights plus its cache at max batch x max context, then loaded he
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -89,7 +90,9 @@ def _memory(device: str) -> int | None:
     return _gpu_memory(int(device.partition(":")[2] or 0))
 
 
+@functools.cache
 def _nvidia_smi(query: str) -> list[str]:
+    """One nvidia-smi query per process: the GPUs do not change while stages are placed."""
     if shutil.which("nvidia-smi") is None:
         return []
     done = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],

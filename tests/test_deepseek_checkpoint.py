@@ -17,6 +17,7 @@ from cli import run_cli  # noqa: E402
 
 from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
 from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
+from k2deploy.errors import K2Error  # noqa: E402
 from k2deploy.tokenizer_files import load_tokenizer  # noqa: E402
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do the gulls go?"},
@@ -138,3 +139,17 @@ def test_serving_without_a_tokenizer_takes_token_id_prompts(without_tokenizer, t
             assert caught.value.code == "no_tokenizer"
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("name, content, problem", [
+    ("tokenizer.json", '{"model": 5}', "tokenizer.json: is not a tokenizer the tokenizers library can load"),
+    ("tokenizer.json", "[1", "tokenizer.json: is not a tokenizer the tokenizers library can load"),
+    ("tokenizer_config.json", "\udcff", "tokenizer_config.json: is not UTF-8 text"),
+    ("tokenizer_config.json", '{"eos_token": "<eos>"}', "eos_token '<eos>' is not one of tokenizer.json's added"),
+    ("generation_config.json", "[]", "generation_config.json: is not a JSON object"),
+], ids=["not a tokenizer", "not JSON", "not UTF-8", "an unknown eos", "a config that is not an object"])
+def test_a_damaged_tokenizer_json_folder_names_the_file(deepseek, tmp_path, name, content, problem):
+    folder = shutil.copytree(deepseek["artifact"] / "tokenizer", tmp_path / "tokenizer")
+    (folder / name).write_bytes(content.encode("utf-8", "surrogateescape"))
+    with pytest.raises(K2Error, match=problem.replace("(", r"\(")):
+        load_tokenizer(folder)
