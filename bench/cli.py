@@ -110,8 +110,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                      help="tokens generated per row and run: the first, then gen-len - 1 timed decode steps (default: 8)")
     run.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
                      help="ONNX Runtime execution provider (default: cpu)")
-    run.add_argument("--threads", type=int, help="intra-op threads, ours and the baseline's (default: ONNX Runtime's "
-                                                 "choice; the baseline gets the cores available)")
+    run.add_argument("--threads", type=int, help="ours: the process's one intra-op thread pool; the baseline's torch "
+                                                 "threads alike (default: this host's physical cores)")
     add_backend_argument(run)
     run.add_argument("--baseline", choices=["eager", "hf", "none"],
                      help="eager: the PyTorch reference on the artifact's checkpoint; hf: transformers' DeepseekV3 "

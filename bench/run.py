@@ -30,14 +30,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import K2Error
+from ..runtime.thread_pool import default_threads
 from ..targets import artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
                        unavailable)
 from .bound import decode_step_bytes
-from .device import GPU_PROVIDERS, cpu_cores, describe_device, gpu_memory_used
+from .device import GPU_PROVIDERS, describe_device, gpu_memory_used
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import ratio, summarize
+
 
 WARMUP_GEN_LEN = 3  # a warm-up run: prefill and two decode steps
 
@@ -52,7 +54,7 @@ class BenchOptions:
     backend: str = "onnxruntime"
     placement: str | None = None  # pipeline stages ("auto" or ranges), in this process or on Ray
     ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
-    threads: int | None = None  # ONNX Runtime intra-op threads (and torch's); None: ONNX Runtime's choice
+    threads: int | None = None  # the intra-op thread pool (and torch's); None: this host's physical cores
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3
     warmup: int = 1
@@ -253,7 +255,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     notes: list[str] = []
     on_gpu = options.backend == "tensorrt" or options.provider in GPU_PROVIDERS
     kind, checkpoint = _resolve_baseline(options, manifest, notes)
-    threads = options.threads or cpu_cores()
+    threads = options.threads or default_threads()  # the baseline's: what our pool will have
     base = BaselineProcess(kind, checkpoint, threads) if kind else None
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
@@ -326,7 +328,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         "device": device,
         "provider": options.provider,
         "backend": options.backend,
-        "threads": options.threads,
+        "threads": ours.model.threads,
         "versions": {"k2deploy": _version("k2deploy"), "onnxruntime": _version("onnxruntime"),
                      "numpy": np.__version__, "python": platform.python_version(),
                      **((baseline_info or {}).get("versions") or {})},

@@ -174,7 +174,7 @@ SCHEMA = {
         "backend": {"enum": ["onnxruntime", "tensorrt"],
                     "description": "what ran the artifact: ONNX Runtime (with `provider`) or the TensorRT engines of "
                                    "`k2deploy build-engines`; absent in results that predate it: onnxruntime"},
-        "threads": {"type": ["integer", "null"], "description": "intra-op threads asked for; null: ONNX Runtime's choice"},
+        "threads": {"type": ["integer", "null"], "description": "the size of the process's one intra-op thread pool; null: no host pool (TensorRT)"},
         "versions": {"type": "object", "required": ["k2deploy", "onnxruntime", "numpy", "python"],
                      "additionalProperties": _STRING_OR_NULL},
         "artifact": {

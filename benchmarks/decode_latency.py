@@ -149,34 +149,81 @@ def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int
 # -- Part 1: the whole model -----------------------------------------------------------------------------
 
 
+class Timed:
+    """A backend's prefill or decode call, timed where it runs."""
+
+    def timed(self, op: str, arg) -> tuple[int, float]:
+        started = time.perf_counter()
+        token = getattr(self, op)(arg)
+        return token, time.perf_counter() - started
+
+
+def _serve_ours(conn, artifact: str, threads: int) -> None:
+    """A child process's loop: the artifact on a pool of `threads` (one pool per process, so one child per thread
+    count); each request is timed here, so the pipe's latency is not in the figures."""
+    from k2deploy.manifest import load_manifest
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.ort_backend import OrtModel
+
+    model = OrtModel(load_manifest(artifact), threads=threads)
+    gen = Generator(model)
+    cache, context = None, 0
+    conn.send(model.threads)
+    while True:
+        op, arg = conn.recv()
+        started = time.perf_counter()
+        if op == "prefill":
+            cache = model.new_cache(1, len(arg) + 1)
+            token = int(gen.prefill([arg], cache)[0].argmax())
+            context = len(arg)
+        elif op == "decode":
+            token = int(gen.decode(np.array([arg], dtype=np.int64), np.array([True]), cache)[0].argmax())
+        elif op == "rollback":
+            cache.lengths[:] = context  # the slot past T is simply overwritten by the next step
+            token = None
+        elif op == "stages":
+            token = dict(model.stage_seconds)
+            if arg:
+                model.stage_seconds.clear()
+        else:
+            return
+        conn.send((token, time.perf_counter() - started))
+
+
 class OursBackend:
-    name = "ours"
+    """The exported artifact (OrtModel + Generator, the way the server runs it) in a child process of its own, on
+    an intra-op pool of `threads`: a process has one pool, so each thread count runs in its own process."""
 
-    def __init__(self, artifact: Path, threads: int):
-        from k2deploy.manifest import load_manifest
-        from k2deploy.runtime.generator import Generator
-        from k2deploy.runtime.ort_backend import OrtModel
+    def __init__(self, artifact: Path, threads: int, name: str = "ours"):
+        import multiprocessing
 
-        self.model = OrtModel(load_manifest(artifact), threads=threads)
-        self.gen = Generator(self.model)
-        self.cache = None
-        self.context = 0
+        self.name = name
+        self.threads = threads
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.process = context.Process(target=_serve_ours, args=(child, str(artifact), threads), daemon=True)
+        self.process.start()
+        self.pool_threads = self.conn.recv()
 
-    def prefill(self, prompt: list[int]) -> int:
-        self.cache = self.model.new_cache(1, len(prompt) + 1)
-        logits = self.gen.prefill([prompt], self.cache)
-        self.context = len(prompt)
-        return int(logits[0].argmax())
+    def _call(self, op: str, arg=None):
+        self.conn.send((op, arg))
+        return self.conn.recv()
 
-    def decode(self, token: int) -> int:
-        logits = self.gen.decode(np.array([token], dtype=np.int64), np.array([True]), self.cache)
-        return int(logits[0].argmax())
+    def timed(self, op: str, arg) -> tuple[int, float]:
+        return self._call(op, arg)
 
     def rollback(self) -> None:
-        self.cache.lengths[:] = self.context  # the slot past T is simply overwritten by the next step
+        self._call("rollback")
+
+    def stage_seconds(self, clear: bool = False) -> dict[str, float]:
+        return self._call("stages", clear)[0]
+
+    def close(self) -> None:
+        self.conn.send(("close", None))
+        self.process.join(timeout=10)
 
 
-class ReferenceBackend:
+class ReferenceBackend(Timed):
     name = "reference"
 
     def __init__(self, checkpoint: Path):
@@ -209,7 +256,7 @@ class ReferenceBackend:
         self.cache.rope = [t[:, : self.context] for t in self.cache.rope]
 
 
-class HfBackend:
+class HfBackend(Timed):
     name = "hf"
 
     def __init__(self, checkpoint: Path):
@@ -247,6 +294,7 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
     rng = np.random.default_rng(args.seed)
     results = {}
     ours = next((b for b in backends if b.name == "ours"), None)
+    ours_all = [b for b in backends if isinstance(b, OursBackend)]
     for context in contexts:
         prompt = rng.integers(0, vocab, size=context).tolist()
         feed = rng.integers(0, vocab, size=args.warmup + args.steps).tolist()
@@ -263,9 +311,8 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
             seen = {}
             for backend in order:  # each prefill starts from an empty cache of its own
                 gc.collect()
-                started = time.perf_counter()
-                first_tokens[backend.name] = backend.prefill(prompt)
-                seen[backend.name] = elapsed = time.perf_counter() - started
+                first_tokens[backend.name], elapsed = backend.timed("prefill", prompt)
+                seen[backend.name] = elapsed
                 if run >= warmup:
                     prefill[backend.name].append(elapsed)
                     timed_seconds += elapsed
@@ -273,21 +320,17 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
                 + ", ".join(f"{name} {seen[name] * 1e3:.0f} ms" for name in (b.name for b in backends)))
         # decode at exactly T cached tokens, interleaved
         decode = {b.name: [] for b in backends}
-        if ours is not None:
-            ours.model.stage_seconds.clear()
         agree = {b.name: 0 for b in backends}
         for step, token in enumerate(feed):
             order = backends[step % len(backends):] + backends[: step % len(backends)]
             picks = {}
             for backend in order:
-                started = time.perf_counter()
-                picks[backend.name] = backend.decode(token)
-                elapsed = time.perf_counter() - started
+                picks[backend.name], elapsed = backend.timed("decode", token)
                 backend.rollback()
                 if step >= args.warmup:
                     decode[backend.name].append(elapsed)
-                if step == args.warmup - 1 and backend is ours:
-                    ours.model.stage_seconds.clear()  # count the timed steps only
+                if step == args.warmup - 1 and backend in ours_all:
+                    backend.stage_seconds(clear=True)  # count the timed steps only
             if step >= args.warmup and ours is not None:
                 for name, pick in picks.items():
                     agree[name] += pick == picks["ours"]
@@ -308,8 +351,14 @@ def bench_model(backends: list, contexts: list[int], vocab: int, args) -> dict:
                         t / o for t, o in zip(theirs, mine["ours"]))
                 entry["decode"][f"{backend.name}_argmax_agreement_with_ours"] = agree[backend.name] / args.steps
             steps = max(len(decode["ours"]), 1)
-            entry["ours_decode_stage_ms"] = {stage: round(seconds * 1e3 / steps, 3)
-                                             for stage, seconds in sorted(ours.model.stage_seconds.items())}
+            for backend in ours_all:
+                entry[f"{backend.name}_decode_stage_ms"] = {stage: round(seconds * 1e3 / steps, 3)
+                                                            for stage, seconds in sorted(backend.stage_seconds().items())}
+            if len(ours_all) > 1:  # the thread counts side by side: time at the first count over time at each
+                entry["thread_scaling"] = {
+                    str(b.threads): {part: statistics.median(times["ours"]) / statistics.median(times[b.name])
+                                     for part, times in (("decode", decode), ("prefill", prefill))}
+                    for b in ours_all}
         results[str(context)] = entry
         log(f"  T={context} decode median: "
             + ", ".join(f"{b.name} {entry['decode'][b.name]['median_ms']:.2f} ms" for b in backends))
@@ -327,7 +376,7 @@ class LayerGraph:
         import onnxruntime as ort
 
         from k2deploy.runtime.kv_cache import LatentCache
-        from k2deploy.runtime.ort_backend import session_options
+        from k2deploy.runtime.thread_pool import session_options
 
         self.ort = ort
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
@@ -364,7 +413,7 @@ def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
     for label, (path, config) in graphs.items():
         started = time.perf_counter()
         kv_cache = json.loads((path.parents[1] / "manifest.json").read_text())["kv_cache"]
-        runners[label] = LayerGraph(path, kv_cache, args.moe_context, args.threads, args.seed)
+        runners[label] = LayerGraph(path, kv_cache, args.moe_context, args.thread_list[0], args.seed)
         log(f"  session for {label} experts loaded in {time.perf_counter() - started:.1f} s")
     labels = list(runners)
     times = {label: [] for label in labels}
@@ -423,7 +472,8 @@ def bandwidth_bound(config, artifact: Path, contexts: list[int], model: dict) ->
 
 def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tokens: int = 32) -> dict:
     """Peak resident memory of `k2deploy generate` on the artifact in a child process (what /usr/bin/time -v
-    reports as its maximum resident set), against 1.3 x (weight bytes + cache bytes) + 200 MB."""
+    reports as its maximum resident set), against 1.3 x (weight bytes + cache bytes) + 200 MB; and the most threads
+    the process held (its /proc status, read every 5 ms)."""
     import shutil
     import subprocess
     import tempfile
@@ -441,6 +491,7 @@ def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tok
     timer = shutil.which("time", path="/usr/bin")  # GNU time: the child's own maximum resident set
     with tempfile.TemporaryFile() as errors:
         child = subprocess.Popen(([timer, "-v"] if timer else []) + command, stdout=subprocess.DEVNULL, stderr=errors)
+        threads_held = _most_threads(child.pid, timer is not None)
         _, status, usage = os.wait4(child.pid, 0)
         child.returncode = os.waitstatus_to_exitcode(status)
         errors.seek(0)
@@ -453,10 +504,29 @@ def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tok
     peak = usage_kb * 1024
     bound = 1.3 * (weights + cache) + 200e6
     return {"command": f"k2deploy generate ART --prompt-ids <{prompt_len} ids> --max-new-tokens {new_tokens} "
-                       f"--threads {threads}", "peak_rss_bytes": peak, "weight_bytes": weights, "cache_bytes": cache,
+                       f"--threads {threads}", "threads_held": threads_held, "peak_rss_bytes": peak, "weight_bytes": weights, "cache_bytes": cache,
             "bound_bytes": bound, "within_bound": peak <= bound,
             "measured_by": "/usr/bin/time -v" if reported else "wait4 rusage (an upper bound: it counts pages shared "
                                                                  "with the benchmark process before exec)"}
+
+
+def _most_threads(pid: int, under_time: bool) -> int:
+    """The most threads the process (or, under GNU time, its one child) held until it exited."""
+    most = 0
+    while True:
+        try:
+            target = pid
+            if under_time:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                if not children:
+                    time.sleep(0.005)
+                    continue
+                target = int(children[0])
+            status = Path(f"/proc/{target}/status").read_text()
+        except (OSError, ValueError):
+            return most
+        most = max(most, int(status.split("Threads:", 1)[1].split()[0]))
+        time.sleep(0.005)
 
 
 # -- output ----------------------------------------------------------------------------------------------
@@ -474,11 +544,13 @@ def print_table(report: dict) -> None:
         print(f"note: {note}")
     model = report.get("model")
     if model:
-        names = [n for n in ("ours", "reference", "hf") if n in next(iter(model.values()))["decode"]]
+        first = next(iter(model.values()))["decode"]
+        names = [n for n, v in first.items() if isinstance(v, dict) and "median_ms" in v]
         print()
-        print(f"Whole model (ours = the artifact lowered for --target {meta.get('target', 'cpu')}, ONNX Runtime)")
+        print(f"Whole model (ours = the artifact lowered for --target {meta.get('target', 'cpu')}, ONNX Runtime, "
+              f"{meta['threads'][0]} thread{'s' * (meta['threads'][0] > 1)}; ours_Nt: on N threads)")
         header = f"{'T':>6} {'':12}" + "".join(f"{n + ' ms':>14}" for n in names)
-        ratios = [n for n in names if n != "ours"]
+        ratios = [n for n in names if n in ("reference", "hf")]
         header += "".join(f"{n + '/ours':>16}" for n in ratios)
         print(header)
         for context, entry in model.items():
@@ -488,19 +560,28 @@ def print_table(report: dict) -> None:
                 row += "".join(f"{entry[part][n]['median_ms']:>14.2f}" for n in names)
                 row += "".join(f"{entry[part][n + '/ours']:>15.2f}x" for n in ratios)
                 print(row)
+        scaling = [(context, entry["thread_scaling"]) for context, entry in model.items() if "thread_scaling" in entry]
+        if scaling:
+            print(f"thread scaling (time on {meta['threads'][0]} over time on N, same run):")
+            for context, by_threads in scaling:
+                print(f"  T={context}: " + "; ".join(f"{n} threads decode {r['decode']:.2f}x, prefill {r['prefill']:.2f}x"
+                                                   for n, r in by_threads.items() if int(n) != meta["threads"][0]))
         stage_lines = []
         for context, entry in model.items():
-            stages = entry.get("ours_decode_stage_ms")
-            if stages:
+            for name in (n for n in names if n.startswith("ours")):
+                stages = entry.get(f"{name}_decode_stage_ms")
+                if not stages:
+                    continue
                 layers = sum(v for k, v in stages.items() if k.startswith("layer_"))
                 per_layer = " ".join(f"{v:.2f}" for k, v in stages.items() if k.startswith("layer_"))
-                stage_lines.append(f"  T={context}: embed {stages.get('embed', 0):.2f}, layers {layers:.2f} "
+                stage_lines.append(f"  {name} T={context}: embed {stages.get('embed', 0):.2f}, layers {layers:.2f} "
                                    f"[{per_layer}], head {stages.get('head', 0):.2f} ms/token")
         if stage_lines:
             print("ours, decode time by stage (layer 0 dense, the rest MoE):")
             print("\n".join(stage_lines))
         for context, entry in model.items():
-            agreement = {k.split("_")[0]: v for k, v in entry["decode"].items() if k.endswith("agreement_with_ours")}
+            agreement = {k.removesuffix("_argmax_agreement_with_ours"): v for k, v in entry["decode"].items()
+                         if k.endswith("agreement_with_ours")}
             if agreement:
                 print(f"  T={context}: decode argmax agreement with ours: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in agreement.items()))
@@ -527,14 +608,14 @@ def print_table(report: dict) -> None:
         for context, row in bound["contexts"].items():
             ratio = f", ours {row['ours/bound']:.2f}x the bound" if row["ours/bound"] else ""
             print(f"  T={context}: {row['bytes'] / 1e6:.1f} MB per decode step -> {row['bound_ms']:.2f} ms{ratio}")
-    memory = report.get("generate_memory")
-    if memory:
+    for threads, memory in report.get("generate_memory", {}).items():
         if "error" in memory:
-            print(f"generate memory: failed ({memory['error']})")
+            print(f"generate memory ({threads} threads): failed ({memory['error']})")
         else:
             print(f"peak RSS of `{memory['command']}`: {memory['peak_rss_bytes'] / 1e6:.0f} MB; bound 1.3 x (weights "
                   f"{memory['weight_bytes'] / 1e6:.0f} MB + cache {memory['cache_bytes'] / 1e6:.1f} MB) + 200 MB = "
-                  f"{memory['bound_bytes'] / 1e6:.0f} MB ({'within' if memory['within_bound'] else 'OVER'})")
+                  f"{memory['bound_bytes'] / 1e6:.0f} MB ({'within' if memory['within_bound'] else 'OVER'}); "
+                  f"{memory['threads_held']} threads held at most")
     print()
     print(f"wall time {report['wall_seconds']:.0f} s (build {report['build_seconds']:.0f} s), "
           f"peak RSS {report['peak_rss_mb']:.0f} MB")
@@ -570,9 +651,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "this many seconds (default 30)")
     parser.add_argument("--prefill-warmup", type=int, default=1,
                         help="untimed prefills before the timed ones, per context (default 1)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="intra-op threads for ONNX Runtime and torch alike (default 1: steady on a shared machine; "
-                             f"this one has {available_cpus()} CPUs)")
+    parser.add_argument("--threads", default="1",
+                        help="thread counts of ours, comma-separated, each a process with one intra-op pool of that "
+                             "size, timed side by side (e.g. 1,2); torch (reference, hf) and Part 2 use the first "
+                             f"(default 1: steady on a shared machine; this one has {available_cpus()} CPUs)")
     parser.add_argument("--no-reference", action="store_true", help="skip the eager reference")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--moe-experts", default="16,384",
@@ -587,6 +669,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.context_list = [int(x) for x in args.contexts.split(",") if x.strip()]
     args.moe_experts = [int(x) for x in args.moe_experts.split(",") if x.strip()]
+    try:
+        args.thread_list = list(dict.fromkeys(int(x) for x in args.threads.split(",") if x.strip()))
+    except ValueError:
+        parser.error(f"--threads {args.threads}: give thread counts separated by commas, e.g. 1,2")
+    if not args.thread_list or min(args.thread_list) < 1:
+        parser.error("--threads: give at least one thread count, each at least 1")
     if args.steps < 1 or args.prefill_repeats < 1 or args.moe_steps < 1:
         parser.error("--steps, --prefill-repeats and --moe-steps must be at least 1")
     return args
@@ -608,7 +696,7 @@ def main(argv=None) -> int:
     if not (args.no_reference and args.no_hf) and not args.skip_model:
         import torch
 
-        torch.set_num_threads(args.threads)
+        torch.set_num_threads(args.thread_list[0])
     have_hf = importlib.util.find_spec("transformers") is not None
     if not have_hf and not args.no_hf:
         notes.append("transformers is not installed: the hf column is skipped")
@@ -645,7 +733,7 @@ def main(argv=None) -> int:
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "preset": args.preset, "overrides": args.set, "layers": config.num_hidden_layers, "n_routed_experts": config.n_routed_experts,
             "num_experts_per_tok": config.num_experts_per_tok, "hidden_size": config.hidden_size,
-            "vocab_size": config.vocab_size, "target": args.target, "batch": 1, "threads": args.threads,
+            "vocab_size": config.vocab_size, "target": args.target, "batch": 1, "threads": args.thread_list,
             "contexts": args.context_list, "steps": args.steps, "warmup": args.warmup,
             "prefill_repeats": args.prefill_repeats, "prefill_warmup": args.prefill_warmup,
             "prefill_budget_s": args.prefill_budget,
@@ -667,7 +755,7 @@ def main(argv=None) -> int:
 
     if not args.skip_model:
         log("Part 1: loading the backends")
-        backends = [OursBackend(model_art, args.threads)]
+        backends = [OursBackend(model_art, n, "ours" if i == 0 else f"ours_{n}t") for i, n in enumerate(args.thread_list)]
         if not args.no_reference:
             t0 = time.perf_counter()
             backends.append(ReferenceBackend(model_ckpt))
@@ -682,11 +770,14 @@ def main(argv=None) -> int:
         gc.collect()
         log(f"Part 1: {', '.join(b.name for b in backends)} at T = {args.contexts}")
         report["model"] = bench_model(backends, args.context_list, config.vocab_size, args)
+        for backend in backends:
+            if isinstance(backend, OursBackend):
+                backend.close()
         del backends
         gc.collect()
 
     if not args.skip_model:
-        report["generate_memory"] = generate_memory(model_art, args.threads)
+        report["generate_memory"] = {str(n): generate_memory(model_art, n) for n in args.thread_list}
         report["bound"] = bandwidth_bound(config, model_art, args.context_list, report.get("model", {}))
 
     report["build_seconds"] = build_seconds

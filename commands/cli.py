@@ -244,7 +244,8 @@ def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="artifact directory written by `k2deploy export`")
     parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
                         help="ONNX Runtime execution provider (default: cpu)")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
+    parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph "
+                                                    "(default: this host's physical cores)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     add_backend_argument(parser)
 

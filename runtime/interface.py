@@ -45,6 +45,8 @@ class Model(Protocol):
     config: ModelConfig
     kv_cache: dict  # the manifest's kv_cache entry
     stage_seconds: dict[str, float]  # cumulative seconds per stage (embed, layer_NNN or layers, head), for benchmarks
+    threads: int | None  # the size of the host thread pool its graphs run on (None: none, e.g. TensorRT engines)
+    num_layers: int  # the decoder layers it runs
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         """A cache of `batch` slots of `max_len` positions each."""

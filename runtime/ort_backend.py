@@ -17,20 +17,12 @@ from ..manifest import Manifest
 from ..targets import artifact_target, check_runnable
 from .interface import grown_lengths
 from .kv_cache import LatentCache
+from .thread_pool import process_threads, session_options
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
 # slower per layer than the plain MatMul after the transpose (benchmarks/decode_latency.py, small preset)
 DISABLED_OPTIMIZERS = ["MatmulTransposeFusion"]
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-
-
-def session_options(threads: int | None) -> ort.SessionOptions:
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    if threads:
-        options.intra_op_num_threads = threads
-    return options
 
 
 def resolve_provider(name: str, device_id: int | None = None) -> list:
@@ -88,7 +80,9 @@ class OrtModel:
     its decoder layers (with the embedding when it starts at layer 0, the head when it ends at the last)."""
 
     def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 layers: range | None = None, device_id: int | None = None):
+                 layers: range | None = None, device_id: int | None = None, host_share: int = 1):
+        """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
+        by host_share, the number of processes running stages on it)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
@@ -97,7 +91,8 @@ class OrtModel:
         self.kv_cache = manifest.kv_cache
         check_runnable(artifact_target(manifest.data), "onnxruntime", provider)
         providers = resolve_provider(provider, device_id)
-        options = session_options(threads)
+        options = session_options(threads, host_share)
+        self.threads = process_threads()
 
         def load(entry: dict) -> ort.InferenceSession:
             return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers,

@@ -22,16 +22,21 @@ class Stage:
     """One stage: the sessions of its layers (the embedding first, the head last) and its slice of the cache."""
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
-                 device_id: int | None = None):
+                 device_id: int | None = None, host_share: int = 1):
+        """host_share: how many stage processes share this stage's host (they divide its cores when threads is None)."""
         manifest = load_manifest(artifact)
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
-                              layers=range(placement.start, placement.stop), device_id=device_id)
+                              layers=range(placement.start, placement.stop), device_id=device_id, host_share=host_share)
         self.cache = None
 
     def allocate(self, batch: int, max_len: int) -> int:
         """A cache of `batch` slots of `max_len` positions for this stage's layers -> its bytes."""
         self.cache = self.model.new_cache(batch, max_len)
         return self.cache.nbytes
+
+    def threads(self) -> int:
+        """The size of this stage's process's intra-op thread pool."""
+        return self.model.threads
 
     def ready(self) -> bool:
         """Whether the stage has its cache (a restarted Ray actor has none until `allocate` again)."""
@@ -69,6 +74,9 @@ class LocalStages:
 
     def allocate(self, batch: int, max_len: int) -> int:
         return sum(stage.allocate(batch, max_len) for stage in self.stages)
+
+    def threads(self) -> list[int]:
+        return [stage.threads() for stage in self.stages]
 
     def forward(self, token_ids, positions, valid, slots) -> np.ndarray:
         hidden = token_ids
@@ -124,6 +132,8 @@ class PipelineModel:
         self.kv_cache = manifest.kv_cache
         self.stages = stages
         self.placements = placements
+        self.threads = stages.threads()[0]  # the first stage's intra-op pool (stages on one host have alike pools)
+        self.num_layers = sum(p.stop - p.start for p in placements)
 
     @property
     def stage_seconds(self) -> dict[str, float]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
+from collections import Counter
 
 import numpy as np
 
@@ -63,22 +64,26 @@ class RayStages:
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
         self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]
         self.actors = []
+        per_host = Counter(p.host for p in placements)  # actors on one host divide its cores between their pools
         for name, placement in zip(self.names, placements):
             gpu = placement.device != "cpu"
             options = {"name": name, "namespace": NAMESPACE, "max_restarts": ACTOR_RESTARTS, "max_task_retries": 0,
-                       "num_cpus": 0, "num_gpus": 1 if gpu else 0}  # CPU stages: --threads sets their threads
+                       "num_cpus": 0, "num_gpus": 1 if gpu else 0}  # the stage's own thread pool sizes its CPU use
             if nodes is not None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
                 options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[placement.host], soft=False)
             # Ray shows a GPU actor its one GPU as device 0
             self.actors.append(remote.options(**options).remote(artifact, placement, provider, threads,
-                                                                0 if gpu else device_id(placement)))
+                                                                0 if gpu else device_id(placement), per_host[placement.host]))
         self._get([actor.ready.remote() for actor in self.actors], "loading")
 
     def allocate(self, batch: int, max_len: int) -> int:
         self.shape = (batch, max_len)
         return sum(self._get([actor.allocate.remote(batch, max_len) for actor in self.actors], "allocating the cache"))
+
+    def threads(self) -> list[int]:
+        return self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
 
     def forward(self, token_ids, positions, valid, slots) -> np.ndarray:
         """The rows as up to one micro-batch per stage, all submitted at once: while stage k runs micro-batch i,

@@ -18,6 +18,7 @@ from k2deploy.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
+from k2deploy.runtime.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
 from k2deploy.runtime.generator import Generator  # noqa: E402
@@ -73,7 +74,7 @@ def _contrib_graph(node: onnx.NodeProto, inputs: dict, initializers: dict):
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21),
                                                          onnx.helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     return session.run(None, inputs)[0]
 
 
@@ -140,7 +141,7 @@ def test_attention_over_the_int8_cache_matches_its_eager_face():
                                    opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("k2deploy", 1),
                                                   onnx.helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, tensors)[0]
+    got = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]).run(None, tensors)[0]
     # the queries and probabilities are rounded to 8 bits per row for the integer products: measured 0.6% of
     # the largest output here; a wrong scale, zero point or transpose gives errors of the outputs' own size
     assert np.abs(got - eager).max() < 0.02 * np.abs(eager).max()

@@ -27,6 +27,7 @@ from k2deploy.plugins.experts import experts_eager, moe_experts_function  # noqa
 from k2deploy.plugins.mla import mla_attention_eager, mla_attention_function  # noqa: E402
 from k2deploy.plugins.onnx_domain import BODY_OPSET, DOMAIN, VERSION  # noqa: E402
 from k2deploy.plugins.routing import moe_route_function, route  # noqa: E402
+from k2deploy.runtime.thread_pool import session_options  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4  # float32 comparisons (routing weights, MLA)
 EXPERTS_REL = 1e-5  # experts: max |ort - eager| <= 1e-5 * max |eager|
@@ -56,10 +57,7 @@ def _one_node_model(function: onnx.FunctionProto, inputs: list[onnx.ValueInfoPro
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.inter_op_num_threads = 1
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     return session.run(None, feeds)
 
 

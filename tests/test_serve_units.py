@@ -123,7 +123,7 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     from k2deploy.manifest import load_manifest
     from k2deploy.runtime.ort_backend import OrtModel
 
-    model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=2)
+    model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=1)
     prompt = np.array([[5, 17, 300, 42, 9]], dtype=np.int64)
     positions = np.arange(5, dtype=np.int64)[None]
     valid = np.ones_like(prompt, dtype=bool)

@@ -15,6 +15,7 @@ from k2deploy.export.tensorrt_graph import (  # noqa: E402
     OPS_FILE, op_types, parser_ops, parser_problems, supported_ops, tensorrt_model, write_tensorrt_copies)
 from k2deploy.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
+from k2deploy.runtime.thread_pool import session_options  # noqa: E402
 
 # What the exported graphs need rewritten for the parser, per graph kind (layer_000 dense, layer_001 MoE).
 EXPECTED_REWRITES = {
@@ -165,8 +166,7 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
     config, cache = manifest.config, manifest.kv_cache
     b, s, t = shape
     rng = np.random.default_rng(0)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options = session_options()
     for stem in ("embed", "layer_000", "layer_001", "head"):
         original = ort.InferenceSession(_widened(onnx.load(str(manifest.root / f"graphs/{stem}.onnx"))), options,
                                         providers=["CPUExecutionProvider"])

@@ -50,7 +50,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_backend_argument(parser)
     parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
                         help="ONNX Runtime execution provider (default: cpu)")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: ONNX Runtime's choice)")
+    parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph "
+                                                    "(default: this host's physical cores)")
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                         help="uvicorn's and the engine's log level; info logs every request and every "
                              "failed one (default: info)")
@@ -104,7 +105,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     host, port = listener.getsockname()[:2]
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
-          f"{args.provider if args.backend == 'onnxruntime' else args.backend})"
+          f"{args.provider if args.backend == 'onnxruntime' else args.backend}"
+          + (f", {model.threads} threads" if model.threads else "") + ")"
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
     logging.basicConfig(format="k2deploy serve: %(levelname)s %(message)s")
     logging.getLogger("k2deploy").setLevel(args.log_level.upper())

@@ -62,6 +62,7 @@ class TrtModel:
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
         trt = require_tensorrt()
         self.manifest, self.config, self.kv_cache = manifest, manifest.config, manifest.kv_cache
+        self.threads = None  # the engines run on the GPU: no intra-op thread pool on the host
         gpu = detect_gpu(gpu_index)
         directory = find_engines(manifest.root, gpu)
         record = read_record(directory)

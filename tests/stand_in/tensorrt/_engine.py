@@ -228,9 +228,10 @@ class _Context:
             import onnx
 
             engine.outputs = list(onnx.load_from_string(engine.model_bytes).graph.output)
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            engine.session = ort.InferenceSession(engine.model_bytes, options, providers=["CPUExecutionProvider"])
+            # the process's one thread pool, as every session of a k2deploy process
+            from k2deploy.runtime.thread_pool import session_options
+
+            engine.session = ort.InferenceSession(engine.model_bytes, session_options(), providers=["CPUExecutionProvider"])
         feeds = {}
         for value in engine.session.get_inputs():
             elem = _elem_type(engine.session, value.name)

@@ -1,0 +1,75 @@
+"""One ONNX Runtime intra-op thread pool per process, shared by every session the process loads.
+
+A model is a session per graph (embedding, each decoder layer, head). With a pool per session, a
+process holds dozens of pools whose threads spin between runs and take the cores from each other:
+on `small` (cpu lowering, 2 cores) two threads per session made decode three times slower than one.
+One global pool (ONNX Runtime's `set_global_thread_pool_sizes` with `use_per_session_threads`
+off) gives the process exactly `threads` intra-op threads, whatever the number of graphs.
+
+The pool is made once, before the process's first session, and cannot be resized: a later request for
+another size is an error, a request without a size takes the pool that is there.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_pybind11_state import Fail
+
+from ..errors import K2Error
+
+_pool_threads: int | None = None  # the size of this process's pool once it is made
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthread siblings count once)."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:  # no topology (containers, other systems): every CPU a core
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def default_threads(share: int = 1) -> int:
+    """The pool size when none is asked for: this host's physical cores, divided among `share` processes that run
+    stages on it at once."""
+    return max(1, physical_cores() // max(1, share))
+
+
+def process_threads(threads: int | None = None, share: int = 1) -> int:
+    """Makes this process's pool (`threads`, else `default_threads(share)`) unless it exists -> its size."""
+    global _pool_threads
+    if threads is not None and threads < 1:
+        raise K2Error(f"--threads {threads}: give at least 1")
+    if _pool_threads is not None:
+        if threads is not None and threads != _pool_threads:
+            raise K2Error(f"this process already runs its models on a pool of {_pool_threads} threads and cannot "
+                          f"resize it to {threads}; ask for the same number or run the other model in its own process")
+        return _pool_threads
+    size = threads or default_threads(share)
+    try:
+        ort.set_global_thread_pool_sizes(size, 1)  # intra-op, inter-op (sequential execution: no inter-op work)
+    except Fail as exc:
+        raise K2Error(f"ONNX Runtime's thread pools were made before k2deploy could size them ({exc}); load "
+                      f"k2deploy's models before other ONNX Runtime sessions with global pools") from None
+    _pool_threads = size
+    return size
+
+
+def session_options(threads: int | None = None, share: int = 1) -> ort.SessionOptions:
+    """Options for a session that runs on the process's one pool (made here on first use)."""
+    process_threads(threads, share)
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    return options
