@@ -515,6 +515,8 @@ def _most_threads(pid: int, under_time: bool) -> int:
     most = 0
     while True:
         try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return most  # exited, not yet waited for
             target = pid
             if under_time:
                 children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
@@ -523,7 +525,7 @@ def _most_threads(pid: int, under_time: bool) -> int:
                     continue
                 target = int(children[0])
             status = Path(f"/proc/{target}/status").read_text()
-        except (OSError, ValueError):
+        except (OSError, ValueError, IndexError):
             return most
         most = max(most, int(status.split("Threads:", 1)[1].split()[0]))
         time.sleep(0.005)
