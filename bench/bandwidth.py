@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 
 DEFAULT_BYTES = 256 << 20
 DEFAULT_REPEATS = 7

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 
 KINDS = ("eager", "hf")
 
@@ -84,7 +84,7 @@ class _Eager:
     def __init__(self, checkpoint: str):
         import torch
 
-        from ..checkpoint.reader import Checkpoint
+        from ..core.checkpoint.reader import Checkpoint
         from ..export import reference
         from ..export.weights import load_transformer
 
@@ -114,7 +114,7 @@ class _HF:
         import torch
         from transformers import DynamicCache
 
-        from ..checkpoint.reader import Checkpoint
+        from ..core.checkpoint.reader import Checkpoint
         from ..export.hf_deepseek import build_hf_model
 
         self.torch, self.DynamicCache = torch, DynamicCache

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import K2Error
-from ..json_files import check_version, read_document
+from ..core.errors import K2Error
+from ..core.json_files import check_version, read_document
 from .report import NO_MATPLOTLIB, RESULT_FILE, _fmt, _plain_ticks, _pyplot, _table, have_matplotlib, run_label, runs_on
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import show

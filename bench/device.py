@@ -21,8 +21,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from ..core.targets import GPU_PROVIDERS
+
 GIB = 1 << 30
-GPU_PROVIDERS = ("cuda", "tensorrt")
 
 
 def cpu_model(cpuinfo: str | None = None) -> str:

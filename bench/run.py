@@ -29,14 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 from ..runtime.thread_pool import default_threads
-from ..targets import artifact_target
+from ..core.targets import GPU_PROVIDERS, artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
                        unavailable)
-from .bound import decode_step_bytes
-from .device import GPU_PROVIDERS, describe_device, gpu_memory_used
+from ..core.bound import decode_step_bytes
+from .device import describe_device, gpu_memory_used
 from .schema import SCHEMA_NAME, SCHEMA_VERSION
 from .stats import ratio, summarize
 
@@ -125,7 +125,7 @@ class _Ours:
 
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
                  placement: str | None = None, ray: str | None = None, cache_shape: tuple[int, int] | None = None):
-        from ..runtime.tensorrt.factory import load_backend
+        from ..runtime.backends import load_backend
 
         rss = current_rss_bytes()
         started = time.perf_counter()
@@ -243,7 +243,7 @@ def _cell_result(batch: int, prompt_len: int, gen_len: int, ours: list[dict], ba
 
 def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict:
     """Runs the benchmark; returns the result document. `bar`: a tqdm-like progress bar (total set here)."""
-    from ..manifest import load_manifest
+    from ..core.manifest import load_manifest
 
     wall_started = time.perf_counter()
     manifest = load_manifest(options.artifact, verify_hashes=options.verify_hashes)
@@ -344,7 +344,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
             "num_experts_per_tok": config.num_experts_per_tok,
             "vocab_size": config.vocab_size,
             "kv_cache": manifest.kv_cache["format"],
-            "target": artifact_target(manifest.data),
+            "target": artifact_target(manifest.data).name,
             "checkpoint": (manifest.data.get("checkpoint") or {}).get("path"),
         },
         "settings": {"batches": list(options.batches), "prompt_lens": list(options.prompt_lens),

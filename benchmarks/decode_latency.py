@@ -74,6 +74,7 @@ from pathlib import Path
 import numpy as np
 
 from k2deploy.bench.device import cpu_model
+from k2deploy.core.targets import TARGETS
 
 
 def log(message: str) -> None:
@@ -96,9 +97,9 @@ def summary(samples_s: list[float]) -> dict:
 
 
 def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: list[str], seed: int):
-    from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config
-    from k2deploy.checkpoint.reader import Checkpoint
-    from k2deploy.checkpoint.synthetic import write_checkpoint
+    from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
+    from k2deploy.core.checkpoint.reader import Checkpoint
+    from k2deploy.core.checkpoint.synthetic import write_checkpoint
 
     config = preset_config(preset, layers=layers, overrides=overrides)
     name = f"{preset}-L{config.num_hidden_layers}-e{config.n_routed_experts}-h{config.num_attention_heads}-seed{seed}"
@@ -120,10 +121,10 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: li
 
 
 def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int] | None, target: str) -> Path:
-    from k2deploy.export.exporter import ExportOptions, default_cache, export_artifact
-    from k2deploy.manifest import MANIFEST_FILE
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+    from k2deploy.core.manifest import MANIFEST_FILE
 
-    cache = default_cache(target)
+    cache = TARGETS[target].default_cache
     suffix = "" if layers is None else f"-layers{layers[0]}_{layers[1]}"
     out = work / "artifacts" / f"{checkpoint.name}-{target}-{cache}{suffix}"
     manifest = out / MANIFEST_FILE
@@ -161,7 +162,7 @@ class Timed:
 def _serve_ours(conn, artifact: str, threads: int) -> None:
     """A child process's loop: the artifact on a pool of `threads` (one pool per process, so one child per thread
     count); each request is timed here, so the pipe's latency is not in the figures."""
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.generator import Generator
     from k2deploy.runtime.ort_backend import OrtModel
 
@@ -229,7 +230,7 @@ class ReferenceBackend(Timed):
     def __init__(self, checkpoint: Path):
         import torch
 
-        from k2deploy.checkpoint.reader import Checkpoint
+        from k2deploy.core.checkpoint.reader import Checkpoint
         from k2deploy.export import reference
         from k2deploy.export.weights import load_transformer
 
@@ -263,7 +264,7 @@ class HfBackend(Timed):
         import torch
         from transformers import DynamicCache
 
-        from k2deploy.checkpoint.reader import Checkpoint
+        from k2deploy.core.checkpoint.reader import Checkpoint
         from k2deploy.export.hf_deepseek import build_hf_model
 
         self.torch, self.DynamicCache = torch, DynamicCache
@@ -452,10 +453,10 @@ def bench_moe_layers(graphs: dict[str, tuple[Path, object]], args) -> dict:
 
 
 def bandwidth_bound(config, artifact: Path, contexts: list[int], model: dict) -> dict:
-    """Bytes one decode step must read (k2deploy.bench.bound: FP8 at one byte per weight, BF16 head and
+    """Bytes one decode step must read (k2deploy.core.bound: FP8 at one byte per weight, BF16 head and
     embedding at two, the cache at the artifact's bytes per token) over the copy bandwidth measured now."""
     from k2deploy.bench import bandwidth
-    from k2deploy.bench.bound import decode_step_bytes
+    from k2deploy.core.bound import decode_step_bytes
 
     log("measuring the memory bandwidth (numpy copy, child process)")
     gbps = statistics.median(bandwidth.measure_in_child())
@@ -478,7 +479,7 @@ def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tok
     import subprocess
     import tempfile
 
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.kv_cache import LatentCache
 
     manifest = load_manifest(artifact, verify_hashes=False)
@@ -665,7 +666,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--moe-steps", type=int, default=60, help="timed steps per Part 2 graph (default 60)")
     parser.add_argument("--moe-warmup", type=int, default=5, help="untimed steps per Part 2 graph first (default 5)")
     parser.add_argument("--skip-model", action="store_true", help="skip Part 1 (the whole-model comparison)")
-    parser.add_argument("--target", choices=["cpu", "cuda", "tensorrt"], default="cpu",
+    parser.add_argument("--target", choices=list(TARGETS), default="cpu",
                         help="the lowering of `ours` (default cpu: int8 weights and cache; cuda: the exact FP8 graph)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     args = parser.parse_args(argv)
@@ -687,7 +688,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     import onnxruntime
 
-    from k2deploy.checkpoint.presets import preset_config
+    from k2deploy.core.checkpoint.presets import preset_config
 
     notes = []
     load_at_start = os.getloadavg()[0]

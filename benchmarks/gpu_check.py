@@ -19,7 +19,7 @@ error) or skipped, so that one failure does not hide the rest:
    scales, 384 experts of width 2048, hidden 7168), one decode step timed (CUDA events, median) at batch
    1, 8, 32 and context 128, 4096, 32768: routing, the chosen experts and absorbed attention over the FP8
    cache through the plugin kernels, the dense projections and the shared expert in torch (bfloat16), against
-   the bytes the step must read (k2deploy.bench.bound: FP8 weights at one byte, the cache at 656 bytes per
+   the bytes the step must read (k2deploy.core.bound: FP8 weights at one byte, the cache at 656 bytes per
    token) over the device-to-device copy bandwidth measured in the same run.
 
 --budget (seconds, default 280) bounds the run: timing cells that would start after it are skipped and
@@ -102,8 +102,8 @@ def aot_launches(d: dict) -> list:
 
 def layer_plan() -> dict:
     """The real-size MoE layer: its tensors' bytes and, per timing cell, the bytes one decode step must read."""
-    from k2deploy.bench.bound import layer_read_bytes
-    from k2deploy.checkpoint.presets import preset_config
+    from k2deploy.core.bound import layer_read_bytes
+    from k2deploy.core.checkpoint.presets import preset_config
 
     config = preset_config("k2", layers=2)
     e, f, m = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
@@ -340,7 +340,7 @@ class MoeLayer:
     the dense projections and the shared expert as bfloat16 torch matmuls."""
 
     def __init__(self, torch, device, seed: int = 0):
-        from k2deploy.checkpoint.presets import preset_config
+        from k2deploy.core.checkpoint.presets import preset_config
 
         self.torch, self.device = torch, device
         c = self.config = preset_config("k2", layers=2)

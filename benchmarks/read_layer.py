@@ -15,7 +15,7 @@ import zlib
 
 import numpy as np
 
-from k2deploy.checkpoint.reader import Checkpoint
+from k2deploy.core.checkpoint.reader import Checkpoint
 
 
 def peak_rss_bytes() -> int:

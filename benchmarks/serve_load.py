@@ -5,7 +5,7 @@
 Without --artifact it makes the `small` preset's checkpoint and an artifact for this machine's
 default target under --work (with `k2deploy make-checkpoint` and `k2deploy export`; reused when
 present). It starts the server
-(`python -m k2deploy.runtime.serve ART --port 0 --max-batch 16`), warms it up, then for each
+(`python -m k2deploy serve ART --port 0 --max-batch 16`), warms it up, then for each
 concurrency c (default 1, 4, 16) sends max(c, --requests) streaming completions, c at a time:
 each client sends its share back to back. Every request has its own random prompt of
 --prompt-tokens ids and asks for --max-tokens greedy tokens.
@@ -59,12 +59,12 @@ def ensure_artifact(work: Path, preset: str) -> Path:
 
 
 class Server:
-    """`python -m k2deploy.runtime.serve` on a free port of 127.0.0.1, its output in files under `logs`."""
+    """`python -m k2deploy serve` on a free port of 127.0.0.1, its output in files under `logs`."""
 
     def __init__(self, artifact: Path, logs: Path, max_batch: int, threads: int | None):
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = logs / "serve.stdout", logs / "serve.stderr"
-        command = [sys.executable, "-m", "k2deploy.runtime.serve", str(artifact), "--port", "0", "--max-batch",
+        command = [sys.executable, "-m", "k2deploy", "serve", str(artifact), "--port", "0", "--max-batch",
                    str(max_batch), "--max-queue", "256", "--log-level", "warning"]
         if threads:
             command += ["--threads", str(threads)]

@@ -64,9 +64,9 @@ def main(argv=None) -> int:
 
     import ray
 
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.ort_backend import OrtModel
-    from k2deploy.runtime.tensorrt.factory import load_backend
+    from k2deploy.runtime.backends import load_backend
 
     checkpoint, config = ensure_checkpoint(args.work, args.preset, None, [], 0)
     artifact = ensure_artifact(args.work, checkpoint, config, None, args.target)

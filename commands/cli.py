@@ -8,12 +8,15 @@ import sys
 import time
 from pathlib import Path
 
+from ..core.cache_format import NAMES as CACHE_FORMATS
+from ..core.targets import TARGETS
 from .command import run_command
-from ..errors import K2Error
-from ..bench.cli import add_bench_parser
+from ..core.errors import K2Error
+from .bench_command import add_bench_parser
 from .plan_command import add_plan_parser
-from ..runtime.serve.cli import add_serve_parser
-from ..runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
+from .serve_command import add_serve_parser
+from .engines_command import add_build_engines_parser
+from .runtime_options import add_runtime_options
 
 
 def _print_json(obj: dict) -> None:
@@ -23,8 +26,8 @@ def _print_json(obj: dict) -> None:
 def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
-    from ..checkpoint.presets import SHARD_BYTES, preset_config
-    from ..checkpoint.synthetic import checkpoint_bytes, write_checkpoint
+    from ..core.checkpoint.presets import SHARD_BYTES, preset_config
+    from ..core.checkpoint.synthetic import checkpoint_bytes, write_checkpoint
 
     config = preset_config(args.preset, layers=args.layers, overrides=args.set or [])
     total = checkpoint_bytes(config)
@@ -42,19 +45,19 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
-    from ..manifest import MANIFEST_FILE
+    from ..core.manifest import MANIFEST_FILE
 
     if (Path(args.path) / ".export-journal.json").exists() and not (Path(args.path) / MANIFEST_FILE).exists():
         raise K2Error(f"{args.path}: unfinished export, rerun export to resume")
     if (Path(args.path) / MANIFEST_FILE).exists():
-        from ..inspect_artifact import describe_artifact, format_artifact
-        from ..manifest import load_manifest
+        from ..core.inspect_artifact import describe_artifact, format_artifact
+        from ..core.manifest import load_manifest
 
         info = describe_artifact(load_manifest(args.path, verify_hashes=False))
         text = format_artifact
     else:
-        from ..checkpoint.reader import Checkpoint
-        from ..inspect_checkpoint import describe_checkpoint, format_checkpoint
+        from ..core.checkpoint.reader import Checkpoint
+        from ..core.inspect_checkpoint import describe_checkpoint, format_checkpoint
 
         with Checkpoint.open(args.path) as checkpoint:
             info = describe_checkpoint(checkpoint)
@@ -85,9 +88,9 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     exporter = _export_side()
-    from ..targets import check_target, default_target
+    from ..core.targets import default_target
 
-    target = check_target(args.target) if args.target else default_target()
+    target = args.target or default_target()
     options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
                                      opset=args.opset, target=target)
     started = time.perf_counter()
@@ -131,9 +134,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
     """The artifact's model on the chosen backend (or placed stages) for one sequence of `positions`."""
-    from ..manifest import load_manifest
+    from ..core.manifest import load_manifest
     from ..runtime.generator import Generator
-    from ..runtime.tensorrt.factory import load_backend
+    from ..runtime.backends import load_backend
 
     return Generator(load_backend(args.backend, manifest or load_manifest(args.artifact), provider=args.provider,
                                   threads=args.threads, placement=args.placement, ray=args.ray,
@@ -163,11 +166,11 @@ def _read_tools(path: str) -> list[dict]:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from ..manifest import load_manifest
+    from ..core.manifest import load_manifest
     from ..runtime.chat_tools import ToolSteering
     from ..runtime.sampling import SamplingParams
     from ..runtime.tool_calls import ToolCallParser
-    from ..tokenizer_files import load_tokenizer
+    from ..core.tokenizer_files import load_tokenizer
 
     if args.tools and not args.chat:
         raise K2Error("--tools needs --chat (tools are declared in the chat template)")
@@ -242,12 +245,8 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
 
 def _add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("artifact", help="artifact directory written by `k2deploy export`")
-    parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
-                        help="ONNX Runtime execution provider (default: cpu)")
-    parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph "
-                                                    "(default: this host's physical cores)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
-    add_backend_argument(parser)
+    add_runtime_options(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,13 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
                                         "An interrupted export resumes where it stopped.")
     export.add_argument("checkpoint", help="Hugging Face checkpoint directory")
     export.add_argument("--out", required=True, help="artifact directory to write (e.g. artifacts/kimi-k2)")
-    export.add_argument("--kv-cache", choices=["fp8", "int8", "bf16"],
-                        help="latent cache format the graphs read and write: fp8 (e4m3) or int8 codes with a float32 "
-                             "scale per 128 values, 656 bytes/token/layer on K2, or bf16 (1152); default: int8 for "
-                             "--target cpu, fp8 otherwise")
+    export.add_argument("--kv-cache", choices=CACHE_FORMATS,
+                        help="latent cache format the graphs read and write: fp8 (e4m3 with a float32 scale per 128 "
+                             "values, 656 bytes/token/layer on K2), int8 (codes with one float32 scale per token, "
+                             "644 bytes; --target cpu) or bf16 (1152); default: the target's first, "
+                             + ", ".join(f"{t.default_cache} for {t.name}" for t in TARGETS.values()))
     export.add_argument("--layers", metavar="A:B", help="export only decoder layers A..B-1 (a partial artifact)")
     export.add_argument("--opset", type=int, default=21, help="ONNX opset, 21 to 24 (default: 21)")
-    export.add_argument("--target", choices=["cpu", "cuda", "tensorrt"],
+    export.add_argument("--target", choices=list(TARGETS),
                         help="what to lower the weights for: cpu (int8 blocks for ONNX Runtime's CPU kernels), cuda or "
                              "tensorrt (FP8 as in the checkpoint); default: tensorrt if installed, else cuda if ONNX "
                              "Runtime has its CUDA provider, else cpu")

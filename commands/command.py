@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Callable
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 
 
 def run_command(name: str, action: Callable[[], None]) -> int:

@@ -1,4 +1,4 @@
-"""`k2deploy plan`: the command over k2deploy.plan, for an artifact, a checkpoint or a preset."""
+"""`k2deploy plan`: the command over k2deploy.core.plan, for an artifact, a checkpoint or a preset."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from ..cache_format import NAMES
-from ..config import ModelConfig
-from ..errors import K2Error
-from ..placement import DEVICES, USABLE_FRACTION
-from ..plan import format_plan, plan
+from ..core.cache_format import NAMES
+from ..core.config import ModelConfig
+from ..core.errors import K2Error
+from ..core.placement import DEVICES, USABLE_FRACTION
+from ..core.plan import format_plan, plan
 
 DESCRIPTION = """\
 Place the decoder layers on pipeline stages, one contiguous range per device, and report what each
@@ -53,10 +53,10 @@ def _load_config(args: argparse.Namespace) -> tuple[ModelConfig, str]:
     if (args.source is None) == (args.preset is None):
         raise K2Error("give an artifact or checkpoint directory, or --preset k2|small|tiny (one of them)")
     if args.preset is not None:
-        from ..checkpoint.presets import preset_config
+        from ..core.checkpoint.presets import preset_config
 
         return preset_config(args.preset), args.kv_cache or "fp8"
-    from ..manifest import MANIFEST_FILE, load_manifest
+    from ..core.manifest import MANIFEST_FILE, load_manifest
 
     path = Path(args.source)
     if (path / MANIFEST_FILE).exists():

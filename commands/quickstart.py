@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..checkpoint.presets import SHARD_BYTES, preset_config
-from ..checkpoint.synthetic import write_checkpoint
-from ..errors import K2Error
+from ..core.checkpoint.presets import SHARD_BYTES, preset_config
+from ..core.checkpoint.synthetic import write_checkpoint
+from ..core.errors import K2Error
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 SCORE_TOLERANCE = 1e-3  # float32 ONNX Runtime against the float32 eager reference
@@ -21,15 +21,15 @@ CPU_SCORE_TOLERANCE, CPU_MIN_AGREEMENT = 1.0, 0.9
 CASES = (("bf16", "cuda", "bf16 cache"), ("fp8", "cuda", "fp8 cache"), ("cpu", "cpu", "cpu target: int8"))
 
 def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
-    from ..checkpoint.reader import Checkpoint
+    from ..core.checkpoint.reader import Checkpoint
     from ..export.exporter import ExportOptions, export_artifact
     from ..export.parity import report
     from ..export.weights import load_transformer
-    from ..manifest import load_manifest
+    from ..core.manifest import load_manifest
     from ..runtime.generator import Generator
     from ..runtime.ort_backend import OrtModel
     from ..runtime.sampling import SamplingParams
-    from ..tokenizer_files import load_tokenizer
+    from ..core.tokenizer_files import load_tokenizer
 
     rows = []
 

@@ -1,3 +1,2 @@
-"""k2deploy: compiled deployment of Kimi K2 (DeepSeek-V3 architecture) checkpoints."""
-
-__version__ = "0.1.0"
+"""What the offline and online sides share, with no torch: config, checkpoint reading and writing, tokenizers,
+the artifact manifest, targets, the cache format, placements and plans."""

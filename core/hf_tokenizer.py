@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .chat_template import ChatTokenizer, read_template
 from .errors import K2Error
-from .tokenizer_files import CONFIG_FILE, GENERATION_FILE, TOKENIZER_JSON, file_error, read_json_object, read_text
+from .tokenizer_io import CONFIG_FILE, GENERATION_FILE, TOKENIZER_JSON, file_error, read_json_object, read_text
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 # DeepSeek-V3's chat and tool markers: added tokens, not "special" (a decode that skips specials keeps them).

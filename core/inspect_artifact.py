@@ -25,7 +25,7 @@ def describe_artifact(manifest: Manifest) -> dict:
             "layer_inputs": layers[0]["inputs"] if layers else [],
             "layer_outputs": layers[0]["outputs"] if layers else [],
         },
-        "target": artifact_target(data),
+        "target": artifact_target(data).name,
         "weights": data.get("weights"),
         "kv_cache": kv,
         "kv_cache_bytes_per_token_per_layer": kv["bytes_per_token_per_layer"],

@@ -15,7 +15,7 @@ Per device (one pipeline stage):
                131072 tokens) are not counted: a runtime this plan fits computes attention in tiles.
   capacity     USABLE_FRACTION of the device's memory (placement.USABLE_FRACTION)
 
-Decode, bounded by memory bandwidth (bench/bound.py's bytes per step, split by stage): one step of `batch`
+Decode, bounded by memory bandwidth (core/bound.py's bytes per step, split by stage): one step of `batch`
 sequences reads, on each stage, its layers' weights (dense tensors whole, routed experts the expected distinct
 count E x (1 - (1 - k/E)^batch)), the embedding rows on the first stage, the whole head on the last, and its
 cache at `context` tokens; the stage takes at least read bytes / bandwidth.
@@ -30,15 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .bench import bound
+from . import bound
 from .cache_format import CacheFormat
 from .checkpoint import layout
 from .config import ModelConfig
 from .errors import K2Error
+from .sizes import PREFILL_CHUNK
 from .placement import (USABLE_FRACTION, DeviceKind, Stage, auto_placement, check_fits, devices_needed,
                         format_bytes, format_placement, parse_devices, parse_placement)
 
-PREFILL_CHUNK = 512  # tokens per sequence in one prefill step
 LIVE_HIDDEN_BUFFERS = 4  # [batch, chunk, hidden] float32 at once: stage input, residual, normed input, sublayer out
 FLOAT32 = 4
 

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from .cache_format import CacheFormat
 from .config import ModelConfig
 
+# prompt tokens per sequence in one step: the runtime's prefill chunk (it bounds how long one step holds the
+# decoding sequences back), and the activations a plan sizes for
+PREFILL_CHUNK = 512
+
 
 @dataclass(frozen=True)
 class ParameterCount:

@@ -21,7 +21,7 @@ import jinja2
 import tiktoken
 
 from .chat_template import ChatTokenizer, read_template
-from .tokenizer_files import CONFIG_FILE, TIKTOKEN_FILE, file_error, read_json_object
+from .tokenizer_io import CONFIG_FILE, TIKTOKEN_FILE, file_error, read_json_object
 
 NUM_SPECIAL = 256
 MIN_VOCAB = 512

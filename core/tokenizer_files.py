@@ -3,45 +3,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .chat_template import TEMPLATE_FILE, ChatTokenizer
 from .errors import K2Error
+from .tokenizer_io import CONFIG_FILE, GENERATION_FILE, TIKTOKEN_FILE, TOKENIZER_JSON
 
-TIKTOKEN_FILE = "tiktoken.model"
-TOKENIZER_JSON = "tokenizer.json"
-CONFIG_FILE = "tokenizer_config.json"
-GENERATION_FILE = "generation_config.json"
 # What an export copies into the artifact's tokenizer folder, where the checkpoint has it.
 TOKENIZER_FILES = (TIKTOKEN_FILE, TOKENIZER_JSON, CONFIG_FILE, TEMPLATE_FILE, GENERATION_FILE)
-
-
-def file_error(path: Path, problem: str) -> K2Error:
-    """A tokenizer file that cannot be used: which, why, and what to do."""
-    return K2Error(f"{path}: {problem}; copy {path.name} unchanged from the model's Hugging Face "
-                   "repository or regenerate the synthetic tokenizer")
-
-
-def read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise file_error(path, "not found") from None
-    except OSError as e:
-        raise file_error(path, f"cannot be read ({e.strerror})") from None
-    except UnicodeDecodeError as e:
-        raise file_error(path, f"is not UTF-8 text ({e})") from None
-
-
-def read_json_object(path: Path) -> dict:
-    try:
-        value = json.loads(read_text(path))
-    except json.JSONDecodeError as e:
-        raise file_error(path, f"is not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise file_error(path, "is not a JSON object")
-    return value
 
 
 def tokenizer_kind(folder: Path) -> str | None:

@@ -27,15 +27,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..cache_format import NAMES as CACHE_NAMES
-from ..cache_format import CacheFormat
-from ..checkpoint.reader import Checkpoint
-from ..config import ModelConfig
-from ..errors import K2Error
-from ..json_files import write_json_atomically
-from ..manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
-from ..targets import check_target, default_target
-from ..tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
+from ..core.cache_format import NAMES as CACHE_NAMES
+from ..core.cache_format import CacheFormat
+from ..core.checkpoint.reader import Checkpoint
+from ..core.config import ModelConfig
+from ..core.errors import K2Error
+from ..core.json_files import write_json_atomically
+from ..core.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
+from ..core.targets import default_target, get_target
+from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
 from .onnx_graph import TracingError, io_spec, trace, write_graph
@@ -47,16 +47,6 @@ DEFAULT_OPSET = 21  # FP8 Reshape/Transpose and blocked quantisation need 21
 SUPPORTED_OPSETS = range(21, 25)  # each exported and run end to end in tests/test_export_refusals.py
 
 
-WEIGHT_FORMATS = {
-    "cpu": "dense linears, head and routed experts as int8 blocks along the input dim (uint8 codes - 128, one "
-           "float32 scale per block), re-quantised from the checkpoint's FP8 and BF16; com.microsoft MatMulNBits "
-           "and QMoE with int8 compute; with the int8 cache, kv_b_proj as int8 W_UK and W_UV (one scale per "
-           "output column) for MatMulInteger, else FP8; norms, router and embedding as in the checkpoint",
-    "cuda": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
-    "tensorrt": "as in the checkpoint: FP8 e4m3 with float32 128x128 block scales, BF16 norms, router, embedding and head",
-}
-
-
 @dataclass(frozen=True)
 class ExportOptions:
     checkpoint: str
@@ -64,10 +54,6 @@ class ExportOptions:
     layers: tuple[int, int] | None = None  # [start, stop) of decoder layers; None: the whole model
     opset: int = DEFAULT_OPSET
     target: str = field(default_factory=default_target)  # cpu, cuda or tensorrt: see core/targets.py
-
-
-def default_cache(target: str) -> str:
-    return "int8" if target == "cpu" else "fp8"
 
 
 @dataclass(frozen=True)
@@ -155,17 +141,16 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     """Runs the whole export; returns the manifest. on_progress(bytes, what) reports streamed weight bytes;
     on_graph gets {"reused", "to_write", "tokenizer" (one line: what was found)} once, then {"stem", "bytes", "seconds", "done_bytes"} per graph written,
     where done_bytes counts the checkpoint bytes of the graphs finished so far (the unit of on_total)."""
-    check_target(options.target)
+    target = get_target(options.target)
     if options.opset not in SUPPORTED_OPSETS:
         raise K2Error(f"--opset {options.opset} is not supported; choose {SUPPORTED_OPSETS.start} to "
                       f"{SUPPORTED_OPSETS.stop - 1} (default {DEFAULT_OPSET})")
     _refuse_out_in_checkpoint(Path(options.checkpoint), out)
     if options.kv_cache is None:
-        options = replace(options, kv_cache=default_cache(options.target))
+        options = replace(options, kv_cache=target.default_cache)
     if options.kv_cache not in CACHE_NAMES:
         raise K2Error(f"--kv-cache must be one of {', '.join(CACHE_NAMES)}, got {options.kv_cache!r}")
-    if options.kv_cache == "int8" and options.target != "cpu":
-        raise K2Error(f"--kv-cache int8 is the cpu target's cache; --target {options.target} keeps fp8 or bf16")
+    target.check_cache(options.kv_cache)
     checkpoint = Checkpoint.open(options.checkpoint)
     config = checkpoint.config
     tokenizer = _check_tokenizer(Path(options.checkpoint), config.vocab_size)
@@ -327,7 +312,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint))},
         "kv_cache": CacheFormat.for_config(config, options.kv_cache).description(),
         "target": options.target,
-        "weights": WEIGHT_FORMATS[options.target],
+        "weights": get_target(options.target).weights,
         "opset": options.opset,
         "custom_ops": {"domain": plugins.DOMAIN, "version": plugins.VERSION,
                        "ops": [f.name for f in plugins.onnx_functions(config)],

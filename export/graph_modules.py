@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..cache_format import CacheFormat
-from ..config import ModelConfig
-from ..checkpoint.reader import Checkpoint
+from ..core.cache_format import CacheFormat
+from ..core.config import ModelConfig
+from ..core.checkpoint.reader import Checkpoint
 from ..plugins import int8
 from ..plugins.fp8 import dequantize
 from ..plugins.mla import CODE_ZERO, absorbed_int8

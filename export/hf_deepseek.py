@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from k2deploy.checkpoint import layout
-from k2deploy.checkpoint.reader import Checkpoint
-from k2deploy.config import ModelConfig, yarn_mscale
+from k2deploy.core.checkpoint import layout
+from k2deploy.core.checkpoint.reader import Checkpoint
+from k2deploy.core.config import ModelConfig, yarn_mscale
 
 # transformers' YaRN reads these keys of rope_parameters; ours has "type" on top (dropped).
 YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from ..plugins.routing import route
 from .rope import Rope
 

@@ -22,7 +22,7 @@ import onnx_ir as ir
 import torch
 
 from .. import plugins
-from ..manifest import sha256_file
+from ..core.manifest import sha256_file
 
 ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .data file
 

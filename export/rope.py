@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ..config import ModelConfig, yarn_mscale
+from ..core.config import ModelConfig, yarn_mscale
 
 
 def _correction_dim(rotations: float, dim: int, base: float, max_positions: int) -> float:

@@ -38,7 +38,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..targets import artifact_target, check_runnable
+from ..core.targets import artifact_target
 from ..plugins.tensorrt.descriptors import DOMAIN_OP_PLUGINS, NAMESPACE, PLUGINS, VERSION
 
 OPS_FILE = Path(__file__).resolve().parents[1] / "plugins" / "tensorrt" / "tensorrt_onnx_ops.json"
@@ -512,7 +512,7 @@ def write_tensorrt_copies(manifest, aot: bool = True) -> dict:
 
     Returns {stem: {"file", "data", "rewrites", "op_types"}}, paths relative to the artifact.
     """
-    check_runnable(artifact_target(manifest.data), "tensorrt")
+    artifact_target(manifest.data).check_runnable("tensorrt")
     report = {}
     for entry in graph_entries(manifest):
         source = manifest.path(entry["file"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..checkpoint.reader import Checkpoint
+from ..core.checkpoint.reader import Checkpoint
 from .model import Block, MoE, Transformer
 
 STACKED_EXPERTS = {"experts_gate_proj": "gate_proj", "experts_up_proj": "up_proj", "experts_down_proj": "down_proj"}

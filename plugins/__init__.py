@@ -7,7 +7,7 @@ from __future__ import annotations
 import onnx
 import torch
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 from .int8 import linear_int8, linear_int8_onnx, moe_experts_int8, moe_experts_int8_onnx
 from .experts import moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_onnx, moe_experts_up_function
 from .mla import (mla_attention, mla_attention_function, mla_attention_int8_cache, mla_attention_int8_cache_function,

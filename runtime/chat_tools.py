@@ -16,7 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 from .tool_calls import KIMI_K2_MARKERS
 
 # OpenAI's rule for function names; it also keeps marker text out of a forced header.

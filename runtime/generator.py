@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 from .interface import Cache, Model
 from .requests import GenerationRequest
 from .sampling import SamplingParams

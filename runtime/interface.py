@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..core.config import ModelConfig
 
 
 def grown_lengths(lengths: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:

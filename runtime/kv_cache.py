@@ -3,7 +3,7 @@
 One allocation per array for all layers, sliced per layer (arrays [layers, max_len, batch, ...]).
 Time-major, so a layer's first t positions for every row are one contiguous block: the
 sessions read it in place through zero-copy OrtValues, without copying the cache each step.
-The layout of each format is `k2deploy.cache_format.CacheFormat`'s: latent bits [L, T, B, c]
+The layout of each format is `k2deploy.core.cache_format.CacheFormat`'s: latent bits [L, T, B, c]
 (uint8 for fp8 and int8, uint16 for bf16), rope [L, T, B, r] float16 and, for the scaled
 formats, latent_scale [L, T, B, c / group] float32.
 """
@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from onnxruntime import OrtValue
 
-from ..cache_format import CacheFormat
-from ..errors import K2Error
+from ..core.cache_format import CacheFormat
+from ..core.errors import K2Error
 
 if TYPE_CHECKING:
     from .cache_rows import CacheRows

@@ -11,10 +11,10 @@ from collections import defaultdict
 import numpy as np
 import onnxruntime as ort
 
-from ..cache_format import CacheFormat
-from ..errors import K2Error
-from ..manifest import Manifest
-from ..targets import artifact_target, check_runnable
+from ..core.cache_format import CacheFormat
+from ..core.errors import K2Error
+from ..core.manifest import Manifest
+from ..core.targets import artifact_target
 from .interface import grown_lengths
 from .kv_cache import LatentCache
 from .thread_pool import process_threads, session_options
@@ -89,7 +89,7 @@ class OrtModel:
         self.manifest = manifest
         self.config = manifest.config
         self.kv_cache = manifest.kv_cache
-        check_runnable(artifact_target(manifest.data), "onnxruntime", provider)
+        artifact_target(manifest.data).check_runnable("onnxruntime", provider)
         providers = resolve_provider(provider, device_id)
         options = session_options(threads, host_share)
         self.threads = process_threads()

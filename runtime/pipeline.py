@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import K2Error
-from ..manifest import load_manifest
-from ..placement import Stage as Placement
+from ..core.errors import K2Error
+from ..core.manifest import load_manifest
+from ..core.placement import Stage as Placement
 from .interface import grown_lengths
 from .ort_backend import OrtModel
 

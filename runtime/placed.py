@@ -8,9 +8,9 @@ import os
 import shutil
 import subprocess
 
-from ..cache_format import CacheFormat
-from ..errors import K2Error
-from ..placement import USABLE_FRACTION, Stage, auto_placement, format_bytes, parse_placement
+from ..core.cache_format import CacheFormat
+from ..core.errors import K2Error
+from ..core.placement import USABLE_FRACTION, Stage, auto_placement, format_bytes, parse_placement
 from .pipeline import LocalStages, PipelineModel
 
 

@@ -17,8 +17,8 @@ from collections import Counter
 
 import numpy as np
 
-from ..errors import K2Error
-from ..placement import Stage as Placement
+from ..core.errors import K2Error
+from ..core.placement import Stage as Placement
 from .pipeline import Stage, device_id
 
 ACTOR_RESTARTS = 3

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 
 
 @dataclass(frozen=True)

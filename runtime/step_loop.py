@@ -31,11 +31,11 @@ from .requests import GenerationRequest, Update
 from .sampling import sample
 from .scheduler import Scheduler
 from .steps import Steps
+from ..core.sizes import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from .serve.metrics import ServerMetrics
 
-PREFILL_CHUNK = 512  # prompt tokens per request per step: bounds how long one step holds the decoders back
 
 log = logging.getLogger("k2deploy.runtime")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
-from ..errors import K2Error
+from ..core.errors import K2Error
 
 _pool_threads: int | None = None  # the size of this process's pool once it is made
 

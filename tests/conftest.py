@@ -2,8 +2,8 @@ import os
 
 import pytest
 
-from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config
-from k2deploy.checkpoint.synthetic import write_checkpoint
+from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
+from k2deploy.core.checkpoint.synthetic import write_checkpoint
 
 
 
@@ -19,6 +19,16 @@ def _cuda_gpu() -> bool:
 # fixes the mode when it is first imported, so it is chosen here, before any test module imports it.
 if not _cuda_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_pool():
+    """The test process runs every model on one intra-op pool of one thread (a process has one pool, sized once):
+    tests that ask for threads=1 get it whatever ran first, and a loaded CI machine is not oversubscribed."""
+    pytest.importorskip("onnxruntime")
+    from k2deploy.runtime.thread_pool import process_threads
+
+    return process_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -50,7 +60,7 @@ def tiny_artifacts(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_checkpoint):
     pytest.importorskip("torch")
-    from k2deploy.checkpoint.reader import Checkpoint
+    from k2deploy.core.checkpoint.reader import Checkpoint
     from k2deploy.export.weights import load_transformer
 
     return load_transformer(Checkpoint.open(tiny_checkpoint))

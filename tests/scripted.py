@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config
-from k2deploy.checkpoint.safetensors_io import NUMPY_DTYPES, read_header
-from k2deploy.checkpoint.synthetic import write_checkpoint
+from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
+from k2deploy.core.checkpoint.safetensors_io import NUMPY_DTYPES, read_header
+from k2deploy.core.checkpoint.synthetic import write_checkpoint
 
 HEAD_WEIGHT = 4.0  # a successor's logit: 4 * sqrt(hidden) after the norm, against 0 for every other token
 

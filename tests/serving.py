@@ -1,4 +1,4 @@
-"""`python -m k2deploy.runtime.serve` as a child process, for the tests that talk to a real server."""
+"""`python -m k2deploy serve` as a child process, for the tests that talk to a real server."""
 
 import re
 import subprocess
@@ -15,7 +15,7 @@ MODEL = "tiny-k2"
 
 
 class Server:
-    """A `python -m k2deploy.runtime.serve` process on a host without torch (and, with `front`, with more on
+    """A `python -m k2deploy serve` process on a host without torch (and, with `front`, with more on
     its path); its output goes to files (a full pipe would stall it)."""
 
     def __init__(self, artifact: Path, workdir: Path, *args: str, front: tuple = ()):
@@ -23,7 +23,7 @@ class Server:
         self.stdout_path, self.stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "k2deploy.runtime.serve", str(artifact), "--port", "0", "--model-name", MODEL,
+                [sys.executable, "-m", "k2deploy", "serve", str(artifact), "--port", "0", "--model-name", MODEL,
                  "--threads", "2", *args], stdout=out, stderr=err,
                 env=child_env(blocked(workdir, "torch"), *front))
         self.url = self._wait_until_up()

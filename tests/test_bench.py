@@ -15,7 +15,7 @@ from k2deploy.bench.device import describe_device, nominal_gib, slugify
 from k2deploy.bench.report import RESULT_FILE, csv_rows, write_result
 from k2deploy.bench.run import BenchOptions, run_bench
 from k2deploy.bench.schema import SCHEMA_VERSION, validate
-from k2deploy.errors import K2Error
+from k2deploy.core.errors import K2Error
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("matplotlib")
@@ -24,8 +24,8 @@ FAST = dict(gen_len=3, repeats=3, warmup=1, bandwidth_bytes=8 << 20, bandwidth_r
 
 
 def bench_cli(*args, env=None) -> subprocess.CompletedProcess:
-    """`k2deploy bench ...` as a user runs it (python -m k2deploy.bench until the main CLI registers it)."""
-    return subprocess.run([sys.executable, "-m", "k2deploy.bench", *map(str, args)], capture_output=True, text=True,
+    """`k2deploy bench ...` as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "k2deploy", "bench", *map(str, args)], capture_output=True, text=True,
                           env=env, timeout=300)
 
 
@@ -185,7 +185,7 @@ def test_compare_refuses_another_schema_version(bench_run, tmp_path):
 
 
 def test_bench_side_imports_no_torch():
-    code = ("import sys; import k2deploy.bench.cli, k2deploy.bench.run, k2deploy.bench.report, k2deploy.bench.compare; "
+    code = ("import sys; import k2deploy.commands.bench_command, k2deploy.bench.run, k2deploy.bench.report, k2deploy.bench.compare; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
 

@@ -5,11 +5,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from k2deploy.checkpoint import layout
-from k2deploy.checkpoint.fp8 import dequantize
-from k2deploy.checkpoint.reader import INDEX_FILE, Checkpoint
-from k2deploy.errors import K2Error
-from k2deploy.sizes import count_parameters
+from k2deploy.core.checkpoint import layout
+from k2deploy.core.checkpoint.fp8 import dequantize
+from k2deploy.core.checkpoint.reader import INDEX_FILE, Checkpoint
+from k2deploy.core.errors import K2Error
+from k2deploy.core.sizes import count_parameters
 
 E4M3 = ml_dtypes.float8_e4m3fn
 
@@ -73,8 +73,8 @@ def test_official_safetensors_reads_our_shards(tiny_checkpoint):
 
 
 def test_same_seed_same_bytes_other_seed_other_bytes(tiny_checkpoint, tmp_path):
-    from k2deploy.checkpoint.presets import preset_config
-    from k2deploy.checkpoint.synthetic import write_checkpoint
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.core.checkpoint.synthetic import write_checkpoint
 
     config = preset_config("tiny")
     again = Checkpoint.open(write_checkpoint(tmp_path / "a", config, seed=0, shard_bytes=1 << 30))
@@ -95,7 +95,7 @@ def test_reading_a_layer_touches_only_that_layer(tiny_checkpoint):
 
 
 def test_parameter_count_from_headers_equals_the_formula(tiny_checkpoint):
-    from k2deploy.inspect_checkpoint import describe_checkpoint
+    from k2deploy.core.inspect_checkpoint import describe_checkpoint
 
     checkpoint = Checkpoint.open(tiny_checkpoint)
     counted = describe_checkpoint(checkpoint)["parameters"]
@@ -105,8 +105,8 @@ def test_parameter_count_from_headers_equals_the_formula(tiny_checkpoint):
 
 
 def test_kimi_k2_formula_matches_the_published_figures():
-    from k2deploy.checkpoint.presets import preset_config
-    from k2deploy.sizes import kv_cache_bytes_per_token
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.core.sizes import kv_cache_bytes_per_token
 
     config = preset_config("k2")
     counts = count_parameters(config)
@@ -118,9 +118,9 @@ def test_kimi_k2_formula_matches_the_published_figures():
 
 def test_cache_sizes_are_the_layout_the_graphs_hold():
     """A latent of 192 is scaled in three groups of 64 (gcd with 128), as the exported graphs store it: 332 bytes."""
-    from k2deploy.cache_format import CacheFormat
-    from k2deploy.checkpoint.presets import preset_config
-    from k2deploy.sizes import kv_cache_bytes_per_token
+    from k2deploy.core.cache_format import CacheFormat
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.core.sizes import kv_cache_bytes_per_token
 
     config = preset_config("tiny", overrides=["kv_lora_rank=192"])
     fmt = CacheFormat.for_config(config, "fp8")

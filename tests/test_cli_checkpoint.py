@@ -4,8 +4,8 @@ import os
 import pytest
 
 from cli import run_cli
-from k2deploy.checkpoint.presets import preset_config
-from k2deploy.sizes import count_parameters
+from k2deploy.core.checkpoint.presets import preset_config
+from k2deploy.core.sizes import count_parameters
 
 
 def test_make_checkpoint_then_inspect_json(tmp_path):

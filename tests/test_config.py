@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from k2deploy.checkpoint.presets import KIMI_K2, preset_config
-from k2deploy.config import ModelConfig
-from k2deploy.errors import K2Error
+from k2deploy.core.checkpoint.presets import KIMI_K2, preset_config
+from k2deploy.core.config import ModelConfig
+from k2deploy.core.errors import K2Error
 
 
 def test_reads_the_released_kimi_k2_config():

@@ -8,14 +8,14 @@ import onnx
 import pytest
 
 from cli import run_cli
-from k2deploy.errors import K2Error
-from k2deploy.manifest import MANIFEST_FILE, load_manifest
+from k2deploy.core.errors import K2Error
+from k2deploy.core.manifest import MANIFEST_FILE, load_manifest
 
 torch = pytest.importorskip("torch")
 
-from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
-from k2deploy.checkpoint.reader import Checkpoint  # noqa: E402
-from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
+from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
+from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
+from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
 from k2deploy.runtime.thread_pool import session_options  # noqa: E402
@@ -193,7 +193,7 @@ def test_a_cpu_artifact_refuses_other_runtimes_in_one_line(tiny_cpu_artifact):
 
 def test_export_targets_and_their_caches(tiny_checkpoint, tmp_path):
     refused = run_cli("export", tiny_checkpoint, "--out", tmp_path / "a", "--target", "cuda", "--kv-cache", "int8")
-    assert refused.returncode == 2 and "--kv-cache int8 is the cpu target's cache" in refused.stderr
+    assert refused.returncode == 2 and "--kv-cache int8 is the cache of --target cpu" in refused.stderr
     assert not (tmp_path / "a" / MANIFEST_FILE).exists()
     exported = run_cli("export", tiny_checkpoint, "--out", tmp_path / "b", "--target", "cpu", "--kv-cache", "fp8",
                        "--json")

@@ -15,10 +15,10 @@ pytest.importorskip("tokenizers")
 
 from cli import run_cli  # noqa: E402
 
-from k2deploy.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
-from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
-from k2deploy.errors import K2Error  # noqa: E402
-from k2deploy.tokenizer_files import load_tokenizer  # noqa: E402
+from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
+from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
+from k2deploy.core.errors import K2Error  # noqa: E402
+from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do the gulls go?"},
         {"role": "assistant", "content": "", "tool_calls": [

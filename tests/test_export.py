@@ -7,8 +7,8 @@ import onnx
 import pytest
 
 from cli import run_cli
-from k2deploy.errors import K2Error
-from k2deploy.manifest import MANIFEST_FILE, load_manifest
+from k2deploy.core.errors import K2Error
+from k2deploy.core.manifest import MANIFEST_FILE, load_manifest
 
 pytest.importorskip("torch")
 

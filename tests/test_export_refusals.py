@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 
 from cli import run_cli
-from k2deploy.manifest import MANIFEST_FILE
+from k2deploy.core.manifest import MANIFEST_FILE
 
 pytest.importorskip("torch")
 
 
 def _nan_scale(checkpoint):
-    from k2deploy.checkpoint.reader import Checkpoint
+    from k2deploy.core.checkpoint.reader import Checkpoint
 
     name = "model.layers.1.self_attn.q_a_proj.weight_scale_inv"
     with Checkpoint.open(checkpoint) as opened:

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from cli import run_cli
-from k2deploy.checkpoint import layout
-from k2deploy.checkpoint.presets import preset_config
-from k2deploy.sizes import count_parameters
+from k2deploy.core.checkpoint import layout
+from k2deploy.core.checkpoint.presets import preset_config
+from k2deploy.core.sizes import count_parameters
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")

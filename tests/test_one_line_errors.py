@@ -12,8 +12,8 @@ import pytest
 
 from cli import run_cli
 from k2deploy.commands.command import run_command
-from k2deploy.errors import K2Error
-from k2deploy.manifest import MANIFEST_FILE, file_record
+from k2deploy.core.errors import K2Error
+from k2deploy.core.manifest import MANIFEST_FILE, file_record
 
 
 def _one_line(result, message):

@@ -11,11 +11,11 @@ import pytest
 
 from cli import run_cli
 
-from k2deploy.manifest import load_manifest
+from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.runtime.tensorrt.factory import load_backend
+from k2deploy.runtime.backends import load_backend
 
 ray = pytest.importorskip("ray")
 

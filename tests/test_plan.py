@@ -6,15 +6,15 @@ import json
 
 import pytest
 
-from k2deploy.cache_format import CacheFormat
-from k2deploy.checkpoint import layout
-from k2deploy.checkpoint.presets import preset_config
-from k2deploy.errors import K2Error
-from k2deploy.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_fits, format_placement,
+from k2deploy.core.cache_format import CacheFormat
+from k2deploy.core.checkpoint import layout
+from k2deploy.core.checkpoint.presets import preset_config
+from k2deploy.core.errors import K2Error
+from k2deploy.core.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_fits, format_placement,
                                 parse_devices, parse_placement)
 from k2deploy.commands.plan_command import add_plan_parser
-from k2deploy.plan import plan
-from k2deploy.sizes import kv_cache_bytes_per_token
+from k2deploy.core.plan import plan
+from k2deploy.core.sizes import kv_cache_bytes_per_token
 
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
 

@@ -2,7 +2,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from k2deploy.checkpoint.reader import Checkpoint  # noqa: E402
+from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.export import reference  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 
@@ -53,7 +53,7 @@ def test_routing_uses_the_bias_to_choose_and_the_scores_to_weigh(models):
 
 
 def test_grouped_routing_only_chooses_from_the_best_groups(tiny_checkpoint):
-    from k2deploy.checkpoint.presets import preset_config
+    from k2deploy.core.checkpoint.presets import preset_config
     from k2deploy.export.model import Gate
 
     gate = Gate(preset_config("tiny", overrides=["n_group=4", "topk_group=2", "num_experts_per_tok=4"]))

@@ -16,9 +16,9 @@ import pytest
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
-from k2deploy.checkpoint.presets import preset_config  # noqa: E402
-from k2deploy.checkpoint.reader import Checkpoint  # noqa: E402
-from k2deploy.checkpoint.synthetic import write_checkpoint  # noqa: E402
+from k2deploy.core.checkpoint.presets import preset_config  # noqa: E402
+from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
+from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export.reference import prompt_logits  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 

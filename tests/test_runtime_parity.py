@@ -6,7 +6,7 @@ import pytest
 pytest.importorskip("torch")
 
 from k2deploy.export import parity, reference  # noqa: E402
-from k2deploy.manifest import load_manifest  # noqa: E402
+from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.runtime.generator import Generator  # noqa: E402
 from k2deploy.runtime.ort_backend import OrtModel  # noqa: E402
 from k2deploy.runtime.sampling import SamplingParams  # noqa: E402
@@ -65,7 +65,7 @@ def test_single_token_prompt_and_the_cache_at_its_maximum_length(generators, tin
     generator.prefill([list(range(1, 8))], cache)
     generator.decode(np.array([9]), np.array([True]), cache)  # fills position 7, the last slot
     assert cache.lengths.tolist() == [8]
-    from k2deploy.errors import K2Error
+    from k2deploy.core.errors import K2Error
 
     with pytest.raises(K2Error, match="past the cache"):
         generator.decode(np.array([9]), np.array([True]), cache)

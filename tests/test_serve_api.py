@@ -28,7 +28,7 @@ def server(tiny_artifacts, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(tiny_artifacts):
-    from k2deploy.tokenizer import KimiTokenizer
+    from k2deploy.core.tokenizer import KimiTokenizer
 
     return KimiTokenizer.from_dir(tiny_artifacts["fp8"] / "tokenizer")
 
@@ -39,7 +39,7 @@ def test_models_and_health(server):
 
 
 def test_greedy_completion_is_what_generate_gives(server, tiny_artifacts, tokenizer):
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.generator import Generator
     from k2deploy.runtime.ort_backend import OrtModel
     from k2deploy.runtime.sampling import SamplingParams

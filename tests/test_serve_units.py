@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.runtime.serve.cli import add_serve_parser
+from k2deploy.commands.serve_command import add_serve_parser
 from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
 from k2deploy.runtime.requests import GenerationRequest, TextStream
 from k2deploy.runtime.scheduler import QueueFull, Scheduler
@@ -120,7 +120,7 @@ def test_options_are_checked_strictly():
 def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     """A prompt prefilled and decoded through slot 2 of a 4-slot cache gives the logits and cache entries it
     gives in a cache of its own, and leaves the other slots alone."""
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.ort_backend import OrtModel
 
     model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=1)

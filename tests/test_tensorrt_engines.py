@@ -5,10 +5,12 @@ import json
 
 import pytest
 
-from k2deploy.errors import K2Error
-from k2deploy.runtime.tensorrt import INSTALL_HINT, GpuInfo, load_backend, require_tensorrt, tensorrt_available
-from k2deploy.runtime.tensorrt.builder import profile_shapes
-from k2deploy.runtime.tensorrt.cli import add_backend_argument, add_build_engines_parser
+from k2deploy.core.errors import K2Error
+from k2deploy.runtime.backends import load_backend
+from k2deploy.runtime.tensorrt import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
+from k2deploy.export.tensorrt_engines import profile_shapes
+from k2deploy.commands.engines_command import add_build_engines_parser
+from k2deploy.commands.runtime_options import add_runtime_options
 from k2deploy.runtime.tensorrt.record import (
     RECORD_FILE, check_record, engines_dir, find_engines, make_record, read_record, write_record)
 
@@ -87,7 +89,7 @@ def _parse(argv):
     sub = parser.add_subparsers(dest="command", required=True)
     add_build_engines_parser(sub)
     run = sub.add_parser("generate")
-    add_backend_argument(run)
+    add_runtime_options(run)
     return parser.parse_args(argv)
 
 
@@ -110,7 +112,7 @@ def test_without_tensorrt_build_engines_says_what_to_install(tmp_path):
 
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")
 def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
 
     with pytest.raises(K2Error, match="pip install tensorrt"):
         load_backend("tensorrt", load_manifest(tiny_artifacts["fp8"]))
@@ -118,7 +120,7 @@ def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
 
 def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
     pytest.importorskip("onnxruntime")
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.ort_backend import OrtModel
 
     model = load_backend("onnxruntime", load_manifest(tiny_artifacts["fp8"]), provider="cpu", threads=1)
@@ -137,9 +139,9 @@ def test_engines_build_and_match_onnxruntime(tiny_artifacts, tmp_path):
 
     import numpy as np
 
-    from k2deploy.manifest import load_manifest
+    from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.generator import Generator
-    from k2deploy.runtime.tensorrt.builder import build_engines
+    from k2deploy.export.tensorrt_engines import build_engines
 
     artifact = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "art")
     record = build_engines(artifact, max_batch=2, max_seq=64, workspace_gb=2)

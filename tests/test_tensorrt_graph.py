@@ -13,7 +13,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from k2deploy.export.tensorrt_graph import (  # noqa: E402
     OPS_FILE, op_types, parser_ops, parser_problems, supported_ops, tensorrt_model, write_tensorrt_copies)
-from k2deploy.manifest import load_manifest  # noqa: E402
+from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
 from k2deploy.runtime.thread_pool import session_options  # noqa: E402
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from k2deploy.errors import K2Error
+from k2deploy.core.errors import K2Error
 from k2deploy.runtime import thread_pool
 
 # A fresh process: loads the artifact on a pool of N threads, runs a prefill and a decode step, and says how many
@@ -19,7 +19,7 @@ def held():
     return int(open("/proc/self/status").read().split("Threads:")[1].split()[0])
 
 before = held()
-from k2deploy.manifest import load_manifest
+from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.sampling import SamplingParams

@@ -4,8 +4,8 @@ import json
 import pytest
 from tiktoken.load import load_tiktoken_bpe
 
-from k2deploy.errors import K2Error
-from k2deploy.tokenizer import CHAT_TEMPLATE, KimiTokenizer, write_tokenizer
+from k2deploy.core.errors import K2Error
+from k2deploy.core.tokenizer import CHAT_TEMPLATE, KimiTokenizer, write_tokenizer
 
 TEXTS = [
     "Hello, world! The harbour town wakes before the sun.",

@@ -17,7 +17,7 @@ from cli import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
 from serving import MODEL, Server  # noqa: E402
 
-from k2deploy.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
+from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
 
 # The scripted answer: one call to `bakery` with no arguments (each token of it differs, see tests/scripted.py).
 ANSWER = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0<|tool_call_argument_begin|>{}"

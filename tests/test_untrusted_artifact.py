@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from cli import run_cli
-from k2deploy.manifest import MANIFEST_FILE
+from k2deploy.core.manifest import MANIFEST_FILE
 
 
 def _rename_file(data, art, new_name):

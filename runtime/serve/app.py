@@ -22,8 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ...chat_template import ChatTokenizer
-from ...errors import K2Error
+from ...core.chat_template import ChatTokenizer
+from ...core.errors import K2Error
 from ..chat_tools import ToolSteering
 from ..sampling import SamplingParams
 from ..tool_calls import ToolCallParser
@@ -217,7 +217,7 @@ async def _watch_disconnect(request: Request, job: GenerationRequest, updates: a
     updates.put_nowait(None)
 
 
-class Gate:
+class AuthMiddleware:
     """ASGI middleware: with an API key every route but /health needs `Authorization: Bearer KEY`;
     every answer is counted by route and status."""
 
@@ -294,5 +294,5 @@ def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, 
         await asyncio.to_thread(engine.stop)
 
     return Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(Gate, api_key=api_key, metrics=metrics, routes={r.path for r in routes})],
+                     middleware=[Middleware(AuthMiddleware, api_key=api_key, metrics=metrics, routes={r.path for r in routes})],
                      exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})

@@ -12,7 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ...errors import K2Error
+from ...core.errors import K2Error
 from ..chat_tools import check_tool_choice, check_tools
 
 MAX_STOP_STRINGS = 4

@@ -16,9 +16,9 @@ from collections import defaultdict
 
 import numpy as np
 
-from ...cache_format import CacheFormat
-from ...errors import K2Error
-from ...manifest import Manifest
+from ...core.cache_format import CacheFormat
+from ...core.errors import K2Error
+from ...core.manifest import Manifest
 from ..interface import grown_lengths
 from .cuda import CudaRuntime, stream_handle
 from .device_cache import DeviceBuffer, DeviceCacheRows, DeviceLatentCache, entry_widths

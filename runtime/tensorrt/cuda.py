@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...errors import K2Error
+from ...core.errors import K2Error
 
 
 class CudaRuntime:

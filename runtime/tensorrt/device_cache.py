@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...cache_format import CacheFormat
-from ...errors import K2Error
+from ...core.cache_format import CacheFormat
+from ...core.errors import K2Error
 
 
 ALIGN = 256  # TensorRT wants every tensor address 256-byte aligned (and non-null, even when empty)

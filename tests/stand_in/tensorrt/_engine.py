@@ -121,7 +121,7 @@ class OnnxParser:
         import onnx
 
         from k2deploy import plugins
-        from k2deploy.manifest import load_manifest
+        from k2deploy.core.manifest import load_manifest
         from tensorrt.plugin import REGISTRY
 
         model = onnx.load(path)  # with its external weights

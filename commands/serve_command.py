@@ -1,7 +1,7 @@
 """The `serve` command: its arguments, and starting the server (uvicorn) on an artifact.
 
 Importing this module is cheap (argparse only), so `k2deploy --help` stays fast; the server's
-libraries load when the command runs. `python -m k2deploy.runtime.serve ART ...` runs it alone.
+libraries load when the command runs.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import socket
 import sys
 from pathlib import Path
 
-from ...commands.command import run_command
-from ...errors import K2Error
-from ..tensorrt.cli import add_backend_argument
+from ..core.errors import K2Error
+from .runtime_options import add_runtime_options
 
 DEFAULT_MAX_CONTEXT = 4096
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -47,11 +46,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds SIGTERM waits for running requests before it exits anyway; a second SIGTERM "
                              f"exits at once (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
     parser.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
-    add_backend_argument(parser)
-    parser.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
-                        help="ONNX Runtime execution provider (default: cpu)")
-    parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph "
-                                                    "(default: this host's physical cores)")
+    add_runtime_options(parser)
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                         help="uvicorn's and the engine's log level; info logs every request and every "
                              "failed one (default: info)")
@@ -82,14 +77,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
     try:
         import uvicorn
 
-        from .app import build_app
+        from ..runtime.serve.app import build_app
     except ImportError as exc:
         raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
-    from ...manifest import load_manifest
-    from ...tokenizer_files import load_tokenizer
-    from ..tensorrt import load_backend
-    from .engine import Engine
-    from .metrics import ServerMetrics
+    from ..core.manifest import load_manifest
+    from ..core.tokenizer_files import load_tokenizer
+    from ..runtime.backends import load_backend
+    from ..runtime.serve.engine import Engine
+    from ..runtime.serve.metrics import ServerMetrics
 
     artifact = Path(args.artifact)
     manifest = load_manifest(artifact)
@@ -159,10 +154,3 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="k2deploy serve", description=DESCRIPTION)
-    add_serve_arguments(parser)
-    args = parser.parse_args(argv)
-    return run_command("serve", lambda: cmd_serve(args))

@@ -9,9 +9,8 @@ import argparse
 import json
 import sys
 
-from ..commands.command import run_command
-from ..errors import K2Error
-from ..runtime.tensorrt.cli import add_backend_argument
+from ..core.errors import K2Error
+from .runtime_options import add_runtime_options
 
 USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8] [--backend onnxruntime|tensorrt]
                       [--provider cpu|cuda|tensorrt] [--threads N] [--baseline eager|hf|none] [--repeats 3]
@@ -57,9 +56,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace, artifact: str) -> None:
     from tqdm import tqdm
 
-    from .bandwidth import DEFAULT_BYTES
-    from .report import format_result, write_result
-    from .run import BenchOptions, run_bench
+    from ..bench.bandwidth import DEFAULT_BYTES
+    from ..bench.report import format_result, write_result
+    from ..bench.run import BenchOptions, run_bench
 
     options = BenchOptions(
         artifact=artifact, batches=_int_list(args.batch, "--batch"), prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
@@ -81,7 +80,7 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
 
 
 def _compare(args: argparse.Namespace, dirs: list[str]) -> None:
-    from .compare import format_compare, run_compare
+    from ..bench.compare import format_compare, run_compare
 
     if not dirs:
         raise K2Error("compare needs at least one results directory: k2deploy bench compare DIR [DIR ...]")
@@ -108,11 +107,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     run.add_argument("--prompt-len", default="128,512", help="prompt lengths, comma-separated (default: 128,512)")
     run.add_argument("--gen-len", type=int, default=8,
                      help="tokens generated per row and run: the first, then gen-len - 1 timed decode steps (default: 8)")
-    run.add_argument("--provider", choices=["cpu", "cuda", "tensorrt"], default="cpu",
-                     help="ONNX Runtime execution provider (default: cpu)")
-    run.add_argument("--threads", type=int, help="ours: the process's one intra-op thread pool; the baseline's torch "
-                                                 "threads alike (default: this host's physical cores)")
-    add_backend_argument(run)
+    add_runtime_options(run, threads_help="; the baseline's torch threads alike")
     run.add_argument("--baseline", choices=["eager", "hf", "none"],
                      help="eager: the PyTorch reference on the artifact's checkpoint; hf: transformers' DeepseekV3 "
                           "(needs transformers); none (default: eager where torch and the checkpoint are present)")
@@ -128,13 +123,3 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     both.add_argument("--json", action="store_true", help="print the result as JSON")
     bench.set_defaults(func=cmd_bench, command_line=None)
     return bench
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m k2deploy.bench ...`: the same as `k2deploy bench ...`."""
-    parser = argparse.ArgumentParser(prog="k2deploy")
-    add_bench_parser(parser.add_subparsers(dest="command", required=True))
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(["bench", *argv])
-    args.command_line = " ".join(["k2deploy", "bench", *argv])
-    return run_command("bench", lambda: args.func(args))

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-from ...errors import K2Error
-from ...targets import artifact_target, check_runnable
-from .environment import require_tensorrt
-
-BACKENDS = ("onnxruntime", "tensorrt")
+from ..core.errors import K2Error
+from ..core.targets import BACKENDS, artifact_target
+from .tensorrt.environment import require_tensorrt
 
 
 def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None = None, placement: str | None = None,
@@ -19,18 +17,18 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
     if placement is not None or ray is not None:
         if name != "onnxruntime":
             raise K2Error("--placement and --ray run ONNX Runtime stages; drop --backend tensorrt")
-        from ..placed import load_placed
+        from .placed import load_placed
 
         batch, context = cache_shape or (1, manifest.config.max_position_embeddings)
         return load_placed(manifest, placement, ray, provider, threads, batch, context)
     if name == "onnxruntime":
-        from ..ort_backend import OrtModel
+        from .ort_backend import OrtModel
 
         return OrtModel(manifest, provider=provider, threads=threads)
     if name == "tensorrt":
-        check_runnable(artifact_target(manifest.data), "tensorrt")
+        artifact_target(manifest.data).check_runnable("tensorrt")
         require_tensorrt()
-        from .backend import TrtModel
+        from .tensorrt.backend import TrtModel
 
         return TrtModel(manifest)
     raise K2Error(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ...errors import K2Error
-from ...manifest import load_manifest, sha256_file
-from .environment import detect_gpu, parse_gpu_option, require_tensorrt
-from .record import check_record, engines_dir, make_record, read_record, write_record
+from ..core.errors import K2Error
+from ..core.manifest import load_manifest, sha256_file
+from ..runtime.tensorrt.environment import detect_gpu, parse_gpu_option, require_tensorrt
+from ..runtime.tensorrt.record import check_record, engines_dir, make_record, read_record, write_record
 
 PROFILES = ("prefill", "decode")  # optimisation profile 0 and 1 of every engine
 
@@ -63,8 +63,8 @@ def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, m
     info = detect_gpu(parse_gpu_option(gpu))
     _set_device(info.index)
 
-    from ...export.tensorrt_graph import copy_path, graph_entries, write_tensorrt_copies
-    from ...plugins.tensorrt.registration import plugin_modes, register
+    from .tensorrt_graph import copy_path, graph_entries, write_tensorrt_copies
+    from ..plugins.tensorrt.registration import plugin_modes, register
 
     register(aot=aot)
     copies = write_tensorrt_copies(manifest, aot=aot)

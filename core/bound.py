@@ -18,8 +18,8 @@ on the step time no implementation can beat on this memory system.
 
 from __future__ import annotations
 
-from ..checkpoint import layout
-from ..config import ModelConfig
+from .checkpoint import layout
+from .config import ModelConfig
 
 DTYPE_BYTES = {layout.FP8: 1, layout.BF16: 2, layout.F32: 4}
 

@@ -1,4 +1,4 @@
-"""The `build-engines` command and the `--backend` option, for `k2deploy.commands.cli` to register."""
+"""The `build-engines` command, for `k2deploy.commands.cli` to register."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import json
 import sys
 import time
 
-from .factory import BACKENDS
 
 
 def add_build_engines_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +34,7 @@ def add_build_engines_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_build_engines(args: argparse.Namespace) -> None:
-    from .builder import build_engines
+    from ..export.tensorrt_engines import build_engines
 
     started = time.perf_counter()
     record = build_engines(args.artifact, gpu=args.gpu, max_batch=args.max_batch, max_seq=args.max_seq,
@@ -47,17 +46,3 @@ def cmd_build_engines(args: argparse.Namespace) -> None:
     else:
         print(f"built {len(record['engines'])} engines for {record['gpu']['name']} with TensorRT {record['tensorrt']} "
               f"into {record['directory']} in {time.perf_counter() - started:.1f} s")
-
-
-def add_backend_argument(parser: argparse.ArgumentParser) -> None:
-    """Adds --backend onnxruntime|tensorrt to a runtime command (generate, score, bench, serve)."""
-    parser.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
-                        help="onnxruntime (default; --provider applies) or tensorrt (the engines of "
-                             "`k2deploy build-engines` for this GPU)")
-    parser.add_argument("--placement", metavar="auto|RANGES",
-                        help="run the layers as pipeline stages: auto (one stage per visible GPU, or one cpu stage), "
-                             "or ranges such as 0:31@cuda:0,31:61@cuda:1 (cpu too; hN/ names host N, on Ray); each "
-                             "stage is checked against its device's memory")
-    parser.add_argument("--ray", metavar="auto|ADDRESS",
-                        help="run the stages on Ray actors: auto joins (or starts) the cluster of this host, "
-                             "ADDRESS joins HOST:PORT; --placement defaults to auto")
