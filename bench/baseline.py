@@ -102,7 +102,8 @@ class _Eager:
         mask = (torch.arange(s)[None, :] <= positions[0][:, None]).expand(b, s, s)
         x = model.embed_tokens(tokens)
         for i, block in enumerate(model.layers):
-            x, cache.latent[i], cache.rope[i] = block(x, positions, cache.latent[i], cache.rope[i], mask)
+            # the cache starts empty: the prompt's entries are all it holds
+            x, cache.latent[i], cache.rope[i] = block(x, positions, (cache.latent[i], cache.rope[i]), mask)
         return model.lm_head(model.norm(x[:, -1])), cache
 
     def decode(self, tokens, cache):

@@ -382,13 +382,15 @@ class LayerGraph:
         self.ort = ort
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(seed)
-        self.cache = LatentCache(kv_cache, 1, 1, context + 1)
-        codes = rng.integers(28, 228, self.cache.latent.shape) if self.cache.format == "int8" else \
-            rng.integers(0, 1 << (8 * self.cache.latent.itemsize), self.cache.latent.shape) & 0x3F3F
-        self.cache.latent[:] = codes.astype(self.cache.latent.dtype)  # finite codes of every format
-        self.cache.rope[:] = rng.standard_normal(self.cache.rope.shape).astype(np.float16)
-        if self.cache.latent_scale is not None:
-            self.cache.latent_scale[:] = 1 / 100
+        cache = LatentCache(kv_cache, 1, 1, context + 1)
+        latent = cache.arrays["latent"]
+        codes = rng.integers(28, 228, latent.shape) if cache.format.name == "int8" else \
+            rng.integers(0, 1 << (8 * latent.itemsize), latent.shape) & 0x3F3F
+        latent[:] = codes.astype(latent.dtype)  # finite codes of every format
+        cache.arrays["rope"][:] = rng.standard_normal(cache.arrays["rope"].shape).astype(np.float16)
+        if "latent_scale" in cache.arrays:
+            cache.arrays["latent_scale"][:] = 1 / 100
+        self.cache = cache.view([0])
         self.context = context
         self.positions = np.array([[context]], dtype=np.int64)
 
@@ -400,8 +402,8 @@ class LayerGraph:
         for name, value in self.cache.past_inputs(0, self.context).items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output("hidden_out", self.ort.OrtValue.ortvalue_from_numpy(np.empty_like(hidden)))
-        for name, array in self.cache.new_entry_buffers(1, 1).items():
-            binding.bind_ortvalue_output(name, self.cache.ortvalue(name, array))
+        for name, value in self.cache.new_entries(1).items():
+            binding.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(binding)
         return time.perf_counter() - started
 

@@ -31,12 +31,12 @@ def even_placement(layers: int, stages: int) -> str:
 
 def time_decode(model, context: int, steps: int, warmup: int, seed: int) -> list[float]:
     """Seconds per decode step (batch 1) after a prompt of `context` tokens, through the step loop."""
-    from k2deploy.runtime.steps import Steps
+    from k2deploy.runtime.batch_forward import BatchForward
 
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, model.config.vocab_size, context).tolist()
     cache = model.new_cache(1, context + warmup + steps + 1)
-    run = Steps(model, cache)
+    run = BatchForward(model, cache)
     token = int(run.prefill([0], [prompt]).argmax())
     samples = []
     for step in range(warmup + steps):

@@ -25,6 +25,40 @@ INT8_ZERO_POINT = 128
 
 
 @dataclass(frozen=True)
+class ElementType:
+    """An ONNX element type as a runtime holds it: its TensorProto number (onnx itself is not needed at run time)
+    and the numpy dtype that stores its bits on the host (e4m3 and bfloat16 have none of their own)."""
+
+    number: int
+    storage: str  # numpy dtype name
+    itemsize: int  # bytes per value
+
+
+ELEMENT_TYPES = {"FLOAT": ElementType(1, "float32", 4), "UINT8": ElementType(2, "uint8", 1),
+                 "FLOAT16": ElementType(10, "float16", 2), "BFLOAT16": ElementType(16, "uint16", 2),
+                 "FLOAT8E4M3FN": ElementType(17, "uint8", 1)}
+
+
+@dataclass(frozen=True)
+class CacheArray:
+    """One array a cache keeps per layer and token: a layer graph reads the past as past_<name> [t, b, width]
+    (time-major) and writes its new entries as new_<name> [b, s, width]."""
+
+    name: str  # latent, rope or latent_scale
+    width: int  # values per token
+    onnx_type: str  # the graphs' element type, a key of ELEMENT_TYPES
+
+    @property
+    def element(self) -> ElementType:
+        return ELEMENT_TYPES[self.onnx_type]
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes per token, layer and row."""
+        return self.width * self.element.itemsize
+
+
+@dataclass(frozen=True)
 class CacheFormat:
     name: str  # fp8, int8 or bf16
     latent_dim: int  # c = kv_lora_rank
@@ -60,6 +94,12 @@ class CacheFormat:
     def latent_type(self) -> str:
         """The ONNX element type of the graphs' latent inputs and outputs."""
         return LATENT_TYPES[self.name]
+
+    @property
+    def arrays(self) -> tuple[CacheArray, ...]:
+        """What the cache keeps per layer and token, in the graphs' order: latent, rope[, latent_scale]."""
+        arrays = (CacheArray("latent", self.latent_dim, self.latent_type), CacheArray("rope", self.rope_dim, "FLOAT16"))
+        return arrays + ((CacheArray("latent_scale", self.scales_per_token, "FLOAT"),) if self.scaled else ())
 
     @property
     def scales_per_token(self) -> int:

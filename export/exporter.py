@@ -2,6 +2,8 @@
 
 ART/
   graphs/embed.onnx + .data, graphs/layer_000.onnx + .data, ..., graphs/head.onnx + .data
+                        (and the files the target's passes derive from each graph, such as the TensorRT
+                        copies graphs/<stem>.tensorrt.onnx: export/passes.py)
   tokenizer/            the checkpoint's tokenizer files, unchanged
   manifest.json         written last, atomically: without it the artifact does not load
 
@@ -38,6 +40,7 @@ from ..core.targets import default_target, get_target
 from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
+from .passes import Lowering
 from .onnx_graph import TracingError, io_spec, trace, write_graph
 
 GRAPH_DIR = "graphs"
@@ -175,6 +178,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     reused = sum(journal.finished(job, out) for job in jobs)
     on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer})
 
+    lowering = Lowering(options.target)
     traces: dict[str, tuple] = {}
     done_bytes = 0
     for job in jobs:
@@ -191,15 +195,18 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         def pieces(name: str, job=job, derived=derived):
             if name in derived:
                 return [derived[name]]
-            lowered = gm.int8_pieces(config, checkpoint, job.kind, job.layer, name) if options.target == "cpu" else None
-            if lowered is not None:
-                return lowered
+            computed = gm.absorbed_int8_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
+            if computed is None:
+                computed = lowering.pieces(config, checkpoint, job.kind, job.layer, name)
+            if computed is not None:
+                return computed
             return (chunk for source in gm.initializer_sources(config, job.kind, job.layer, name)
                     for chunk in checkpoint.stream(source))
 
         label = job.stem if job.layer is None else f"layer {job.layer + 1}/{config.num_hidden_layers}"
         records = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
                               on_bytes=lambda n, label=label: on_progress(n, label))
+        records.update(lowering.graph_files(graphs_dir, job.stem))
         journal.record(job, {f"{GRAPH_DIR}/{name}": record for name, record in records.items()})
         done_bytes += _job_bytes(checkpoint, job)
         on_graph({"stem": job.stem, "bytes": sum(r["bytes"] for r in records.values()),

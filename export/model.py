@@ -4,12 +4,17 @@ Modules are named after the paper (MLA, Gate, MoE, Block) and their parameters a
 checkpoint's tensors, so that `model.layers.{i}.` + a parameter name is the tensor it holds.
 Routed experts are the exception: they are stacked into [e, ...] tensors.
 
-`Block.forward` has no data-dependent Python control flow: it is what the exporter traces.
+`Block` is the one decoder layer: the exporter traces it too, built from the target's faces
+(`Faces`: its linears, MoE and attention over the cache in the stored format) where the
+reference uses float32 ones. `Block.forward` has no data-dependent Python control flow.
 Shapes: b batch, s new positions, t all key positions (cached + new), h heads, c latent,
 r rope, d head dim, e experts, k chosen experts, m hidden, f expert width.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,29 +39,58 @@ def linear(in_features: int, out_features: int) -> nn.Module:
     return nn.Linear(in_features, out_features, bias=False)
 
 
+def attention_over_cache(absorb: bool):
+    """The reference's attention: past = (latent [b, t0, c], rope [b, t0, r]) in float32, joined with the new
+    entries; absorb=False decompresses per-head keys and values from the latent (the naive form), absorb=True
+    folds W_UK into the query and W_UV into the output and attends over the latent."""
+
+    def attend(mla: MLA, q_nope, q_pe, new_latent, new_rope, past, mask) -> torch.Tensor:
+        past_latent, past_rope = past
+        latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t, c]
+        rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t, r]
+        w_kv = mla.kv_b_proj.weight.view(mla.heads, mla.nope + mla.v_dim, mla.latent_dim)
+        w_uk, w_uv = w_kv.split([mla.nope, mla.v_dim], dim=1)  # [h, d, c] each
+        rope_scores = torch.einsum("bshr,btr->bsht", q_pe, rope)
+        if absorb:
+            q_latent = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
+            scores = torch.einsum("bshc,btc->bsht", q_latent, latent) + rope_scores
+        else:
+            k_nope = torch.einsum("btc,hdc->bthd", latent, w_uk)
+            scores = torch.einsum("bshd,bthd->bsht", q_nope, k_nope) + rope_scores
+        scores = scores * mla.softmax_scale
+        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        if absorb:
+            out_latent = torch.einsum("bsht,btc->bshc", probs, latent)
+            return torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
+        values = torch.einsum("btc,hdc->bthd", latent, w_uv)
+        return torch.einsum("bsht,bthd->bshd", probs, values)
+
+    return attend
+
+
 class MLA(nn.Module):
-    """Multi-head latent attention. The cache holds c_kv [c] (normalised) and k_pe [r] (roped) per token.
+    """Multi-head latent attention. The cache holds c_kv [c] (normalised) and k_pe [r] (roped) per token;
+    how attention reads it is the faces' `attention`."""
 
-    absorb=False decompresses per-head keys and values from the latent (the naive form);
-    absorb=True folds W_UK into the query and W_UV into the output and attends over the latent.
-    """
-
-    def __init__(self, config: ModelConfig, absorb: bool = False, make_linear=linear, norm_dtype=torch.float32):
+    def __init__(self, config: ModelConfig, faces: Faces):
         super().__init__()
         c = config
         self.heads, self.nope, self.rope_dim, self.v_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.latent_dim = c.kv_lora_rank
-        self.absorb = absorb
         self.softmax_scale = c.softmax_scale
+        self.attention = faces.attention
+        make_linear = faces.linear
         if c.q_lora_rank is None:
             self.q_proj = make_linear(c.hidden_size, self.heads * c.qk_head_dim)
         else:
             self.q_a_proj = make_linear(c.hidden_size, c.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, norm_dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps, faces.norm_dtype)
             self.q_b_proj = make_linear(c.q_lora_rank, self.heads * c.qk_head_dim)
         self.kv_a_proj_with_mqa = make_linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, norm_dtype)
-        self.kv_b_proj = make_linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim))
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps, faces.norm_dtype)
+        self.kv_b_proj = (faces.kv_b(c) if faces.kv_b is not None
+                          else make_linear(c.kv_lora_rank, self.heads * (self.nope + self.v_dim)))
         self.o_proj = make_linear(self.heads * self.v_dim, c.hidden_size)
         self.rotary = Rope(c)
 
@@ -74,32 +108,12 @@ class MLA(nn.Module):
         new_latent, new_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
         return q_nope, self.rotary(q_pe, positions), self.kv_a_layernorm(new_latent), self.rotary(new_rope, positions)
 
-    def forward(self, x, positions, past_latent, past_rope, mask):
-        """x [b, s, m], positions [b, s], past_latent [b, t0, c], past_rope [b, t0, r],
+    def forward(self, x, positions, past, mask):
+        """x [b, s, m], positions [b, s], past (the cache's first t0 entries, as the faces' attention reads them),
         mask [b, s, t0 + s] (True: may attend) -> out [b, s, m], new_latent [b, s, c], new_rope [b, s, r]."""
         b, s, _ = x.shape
         q_nope, q_pe, new_latent, new_rope = self.project(x, positions)
-        latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t, c]
-        rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t, r]
-
-        w_kv = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.latent_dim)
-        w_uk, w_uv = w_kv.split([self.nope, self.v_dim], dim=1)  # [h, d, c] each
-        rope_scores = torch.einsum("bshr,btr->bsht", q_pe, rope)
-        if self.absorb:
-            q_latent = torch.einsum("bshd,hdc->bshc", q_nope, w_uk)
-            scores = torch.einsum("bshc,btc->bsht", q_latent, latent) + rope_scores
-        else:
-            k_nope = torch.einsum("btc,hdc->bthd", latent, w_uk)
-            scores = torch.einsum("bshd,bthd->bsht", q_nope, k_nope) + rope_scores
-        scores = scores * self.softmax_scale
-        scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        if self.absorb:
-            out_latent = torch.einsum("bsht,btc->bshc", probs, latent)
-            out = torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
-        else:
-            values = torch.einsum("btc,hdc->bthd", latent, w_uv)
-            out = torch.einsum("bsht,bthd->bshd", probs, values)
+        out = self.attention(self, q_nope, q_pe, new_latent, new_rope, past, mask)  # [b, s, h, v]
         return self.o_proj(out.reshape(b, s, self.heads * self.v_dim)), new_latent, new_rope
 
 
@@ -165,18 +179,42 @@ class MoE(nn.Module):
         return routed.view(shape)
 
 
+@dataclass(frozen=True)
+class Faces:
+    """What a decoder layer is made of; the dataflow is `Block`'s alone. The reference's faces are float32
+    `nn.Linear`s, the dense-routing `MoE` and `attention_over_cache`; the exporter supplies the target's
+    lowered modules and the attention op of the cache format (export/graph_modules.py).
+
+    linear(in, out): a projection; kv_b(config): kv_b_proj in the form `attention` reads (None: a linear);
+    moe(config): a MoE layer's mlp; attention(mla, q_nope [b, s, h, d], q_pe [b, s, h, r], new_latent [b, s, c],
+    new_rope [b, s, r], past, mask [b, s, t0 + s]) -> [b, s, h, v], over the cache's past entries in whatever
+    form `past` holds them; norm_dtype: the RMSNorm weights' dtype."""
+
+    attention: Callable
+    linear: Callable[[int, int], nn.Module] = linear
+    kv_b: Callable[[ModelConfig], nn.Module] | None = None
+    moe: Callable[[ModelConfig], nn.Module] = MoE
+    norm_dtype: torch.dtype = torch.float32
+
+
+def reference_faces(absorb: bool = False) -> Faces:
+    return Faces(attention_over_cache(absorb))
+
+
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, absorb: bool = False):
+    """One decoder layer: norm -> attention -> residual -> norm -> MLP or MoE -> residual, of the given faces."""
+
+    def __init__(self, config: ModelConfig, layer: int, faces: Faces):
         super().__init__()
         c = config
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = MLA(c, absorb=absorb)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MoE(c) if c.is_moe_layer(layer) else MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, faces.norm_dtype)
+        self.self_attn = MLA(c, faces)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, faces.norm_dtype)
+        self.mlp = faces.moe(c) if c.is_moe_layer(layer) else MLP(c.hidden_size, c.intermediate_size, faces.linear)
 
-    def forward(self, x, positions, past_latent, past_rope, mask):
+    def forward(self, x, positions, past, mask):
         """x [b, s, m] -> x [b, s, m], new_latent [b, s, c], new_rope [b, s, r] (see MLA.forward)."""
-        attended, new_latent, new_rope = self.self_attn(self.input_layernorm(x), positions, past_latent, past_rope, mask)
+        attended, new_latent, new_rope = self.self_attn(self.input_layernorm(x), positions, past, mask)
         x = x + attended
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, new_latent, new_rope
@@ -188,6 +226,6 @@ class Transformer(nn.Module):
         c = config
         self.config = c
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(Block(c, i, absorb) for i in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(Block(c, i, reference_faces(absorb)) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = linear(c.hidden_size, c.vocab_size)

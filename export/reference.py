@@ -33,7 +33,7 @@ def forward(model: Transformer, tokens: torch.Tensor, cache: LatentCache) -> tor
     mask = (keys[None, :] <= positions[0][:, None]).expand(b, s, start + s)  # causal over cached + new
     x = model.embed_tokens(tokens)
     for i, block in enumerate(model.layers):
-        x, new_latent, new_rope = block(x, positions, cache.latent[i], cache.rope[i], mask)
+        x, new_latent, new_rope = block(x, positions, (cache.latent[i], cache.rope[i]), mask)
         cache.latent[i] = torch.cat([cache.latent[i], new_latent], dim=1)
         cache.rope[i] = torch.cat([cache.rope[i], new_rope], dim=1)
     return model.lm_head(model.norm(x))

@@ -1,7 +1,7 @@
 """`k2deploy build-engines`: one TensorRT engine per graph of an exported artifact.
 
-For every graph the TensorRT copy (ART/graphs/<stem>.tensorrt.onnx, written by
-`k2deploy.export.tensorrt_graph`) is parsed into a strongly typed network (FP8 stays FP8 through
+For every graph the TensorRT copy (ART/graphs/<stem>.tensorrt.onnx: the one a tensorrt target's export
+wrote, else written now by `k2deploy.export.tensorrt_graph`) is parsed into a strongly typed network (FP8 stays FP8 through
 its explicit Q/DQ), given two optimisation profiles (0: prefill, 1: decode) and built; the engines
 and their record go to ART/engines/<gpu>/. Engines whose record still fits (same GPU, TensorRT,
 manifest and settings, files intact) and whose TensorRT copy of the graph is unchanged are kept, so
@@ -63,11 +63,11 @@ def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, m
     info = detect_gpu(parse_gpu_option(gpu))
     _set_device(info.index)
 
-    from .tensorrt_graph import copy_path, graph_entries, write_tensorrt_copies
+    from .tensorrt_graph import graph_entries, tensorrt_copies
     from ..plugins.tensorrt.registration import plugin_modes, register
 
     register(aot=aot)
-    copies = write_tensorrt_copies(manifest, aot=aot)
+    copies = tensorrt_copies(manifest, aot=aot)
     out = engines_dir(artifact, info)
     out.mkdir(parents=True, exist_ok=True)
     settings = {"max_batch": max_batch, "max_seq": max_seq, "workspace_gb": workspace_gb, "aot": aot,
@@ -77,7 +77,7 @@ def build_engines(artifact: str | Path, gpu: str = "auto", max_batch: int = 8, m
     engines = {}
     for entry in graph_entries(manifest):
         stem = Path(entry["file"]).stem
-        onnx_path = copy_path(manifest, entry)
+        onnx_path = artifact / copies[stem]["file"]
         engines[stem] = {"engine": f"{stem}.engine", "onnx": copies[stem]["file"],
                          "onnx_sha256": sha256_file(onnx_path),  # the graph its engine was built from
                          "inputs": [i["name"] for i in entry["inputs"]],

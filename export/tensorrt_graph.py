@@ -2,7 +2,9 @@
 
 TensorRT's ONNX parser imports a node of an unknown op type as a model-local function when the
 model carries one of that name, and only otherwise looks the op up as a plugin. So the copy
-that `k2deploy build-engines` feeds to the parser is rewritten from the exported graph:
+that `k2deploy build-engines` feeds to the parser is rewritten from the exported graph, by the
+tensorrt target's `tensorrt_plugins` pass as it exports (export/passes.py), or by build-engines
+for an artifact that has no copies (one exported for cuda):
 
 - the model-local function bodies of the plugin ops are dropped, and every `k2deploy` node
   carries the attributes the parser resolves a plugin by: `plugin_namespace`, `plugin_version`
@@ -498,35 +500,47 @@ def graph_entries(manifest) -> list[dict]:
     return [e for e in [graphs.get("embed"), *graphs.get("layers", []), graphs.get("head")] if e]
 
 
-COPY_SUFFIX = ".tensorrt.onnx"
+COPY_SUFFIX = ".tensorrt.onnx"  # the copies with AOT kernels: what the tensorrt target's export writes
+JIT_COPY_SUFFIX = ".tensorrt-jit.onnx"  # `build-engines --no-aot`'s copies, whose plugins run as Python
 
 
-def copy_path(manifest, entry: dict) -> Path:
-    """Where the TensorRT copy of a graph lives: beside the graph and its weights, graphs/<stem>.tensorrt.onnx."""
-    source = manifest.path(entry["file"])
-    return source.with_name(source.stem + COPY_SUFFIX)
+def copy_path(graph: Path, aot: bool = True) -> Path:
+    """Where the TensorRT copy of a graph file lives: beside the graph and its weights, graphs/<stem>.tensorrt.onnx."""
+    return graph.with_name(graph.stem + (COPY_SUFFIX if aot else JIT_COPY_SUFFIX))
 
 
-def write_tensorrt_copies(manifest, aot: bool = True) -> dict:
-    """Writes ART/graphs/<stem>.tensorrt.onnx for every graph of the artifact, reading the same .data files.
+def write_copy(graph: Path, aot: bool = True) -> dict:
+    """Writes the TensorRT copy of one exported graph file beside it -> {"path", "rewrites", "op_types"}."""
+    copy, info = tensorrt_model(onnx.load(str(graph), load_external_data=False), aot=aot)
+    problems = parser_problems(copy)
+    if problems:
+        raise ValueError(f"{graph.name}: the TensorRT copy still has what the parser refuses: " + "; ".join(problems[:5]))
+    target = copy_path(graph, aot)
+    partial = target.with_name(f".{target.name}.partial")
+    onnx.save(copy, str(partial))
+    os.replace(partial, target)
+    return {"path": target, **info}
 
-    Returns {stem: {"file", "data", "rewrites", "op_types"}}, paths relative to the artifact.
+
+def tensorrt_copies(manifest, aot: bool = True) -> dict:
+    """The TensorRT copy of every graph of the artifact: the one its manifest lists (the tensorrt target's export
+    wrote it), else one written now, beside the graph and reading the same .data file.
+
+    Returns {stem: {"file", "data", "written"}, with "rewrites" and "op_types" for the copies written now},
+    paths relative to the artifact.
     """
     artifact_target(manifest.data).check_runnable("tensorrt")
     report = {}
     for entry in graph_entries(manifest):
         source = manifest.path(entry["file"])
-        model = onnx.load(str(source), load_external_data=False)
-        copy, info = tensorrt_model(model, aot=aot)
-        problems = parser_problems(copy)
-        if problems:
-            raise ValueError(f"{source.name}: the TensorRT copy still has what the parser refuses: "
-                             + "; ".join(problems[:5]))
-        target = copy_path(manifest, entry)
-        partial = target.with_name(f".{target.name}.partial")
-        onnx.save(copy, str(partial))
-        os.replace(partial, target)
-        data = sorted({e.value for t in copy.graph.initializer for e in t.external_data if e.key == "location"})
         folder = str(Path(entry["file"]).parent)
-        report[source.stem] = {"file": f"{folder}/{target.name}", "data": [f"{folder}/{d}" for d in data], **info}
+        listed = f"{folder}/{copy_path(source, aot).name}"
+        if listed in manifest.data["files"]:
+            copy = {"path": manifest.path(listed), "written": False}
+        else:
+            copy = {**write_copy(source, aot), "written": True}
+        path = copy.pop("path")
+        model = onnx.load(str(path), load_external_data=False)
+        data = sorted({e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"})
+        report[source.stem] = {"file": f"{folder}/{path.name}", "data": [f"{folder}/{d}" for d in data], **copy}
     return report

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..core.checkpoint.reader import Checkpoint
-from .model import Block, MoE, Transformer
+from .model import Block, MoE, Transformer, reference_faces
 
 STACKED_EXPERTS = {"experts_gate_proj": "gate_proj", "experts_up_proj": "up_proj", "experts_down_proj": "down_proj"}
 
@@ -29,7 +29,7 @@ def fill_block(block: Block, checkpoint: Checkpoint, layer: int) -> Block:
 
 
 def load_block(checkpoint: Checkpoint, layer: int, absorb: bool = False) -> Block:
-    return fill_block(Block(checkpoint.config, layer, absorb), checkpoint, layer).eval()
+    return fill_block(Block(checkpoint.config, layer, reference_faces(absorb)), checkpoint, layer).eval()
 
 
 def load_transformer(checkpoint: Checkpoint, absorb: bool = False) -> Transformer:

@@ -1,6 +1,8 @@
-"""Custom ops (MoE routing, MoE dispatch, absorbed MLA attention), each defined once with every face:
-the eager implementation, the torch.library op and its fake kernel (what torch.export traces), the
-ONNX lowering to one node of the `k2deploy` domain, and the ONNX function body ONNX Runtime runs."""
+"""Custom ops (MoE routing, MoE dispatch, absorbed MLA attention, the cpu target's int8 ops), each in its
+own file with every face: the eager implementation, its one declaration (an `OpSpec`, plugins/op_spec.py)
+from which the torch.library op and its fake kernel (what torch.export traces), the ONNX lowering to
+one node of the `k2deploy` domain and the TensorRT plugin(s) come, and the ONNX function body ONNX
+Runtime runs."""
 
 from __future__ import annotations
 
@@ -8,24 +10,30 @@ import onnx
 import torch
 
 from ..core.config import ModelConfig
-from .int8 import linear_int8, linear_int8_onnx, moe_experts_int8, moe_experts_int8_onnx
-from .experts import moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_onnx, moe_experts_up_function
-from .mla import (mla_attention, mla_attention_function, mla_attention_int8_cache, mla_attention_int8_cache_function,
-                  mla_attention_int8_cache_onnx, mla_attention_onnx)
+from .experts import EXPERTS, moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_up_function
+from .int8 import EXPERTS_INT8, LINEAR_INT8, linear_int8, linear_int8_onnx, moe_experts_int8, moe_experts_int8_onnx
+from .mla import (ATTENTION, ATTENTION_INT8_CACHE, mla_attention, mla_attention_function, mla_attention_int8_cache,
+                  mla_attention_int8_cache_function)
 from .onnx_domain import DOMAIN, VERSION
-from .routing import moe_route, moe_route_function, moe_route_onnx
+from .op_spec import OpSpec
+from .routing import ROUTE, moe_route, moe_route_function
 
-__all__ = ["DOMAIN", "VERSION", "moe_experts", "mla_attention", "moe_route", "mla_attention_int8_cache", "linear_int8", "moe_experts_int8", "onnx_functions", "split_functions",
-           "translation_table"]
+__all__ = ["DOMAIN", "OPS", "VERSION", "moe_experts", "mla_attention", "moe_route", "mla_attention_int8_cache",
+           "linear_int8", "moe_experts_int8", "onnx_functions", "split_functions", "translation_table"]
+
+# every custom op's declaration (plugins/op_spec.py), from which its torch op, ONNX node and TensorRT plugin(s)
+# come; the two plugins a TensorRT copy runs MoeExperts as are EXPERTS.split_into
+OPS: tuple[OpSpec, ...] = (ROUTE, EXPERTS, ATTENTION, ATTENTION_INT8_CACHE, LINEAR_INT8, EXPERTS_INT8)
 
 
 def translation_table() -> dict:
-    """torch op -> ONNX lowering, for torch.onnx.export(custom_translation_table=...)."""
+    """torch op -> ONNX lowering, for torch.onnx.export(custom_translation_table=...): one `k2deploy` node each,
+    or ONNX Runtime's contrib ops for the int8 ones."""
     return {
-        torch.ops.k2deploy.moe_route.default: moe_route_onnx,
-        torch.ops.k2deploy.moe_experts.default: moe_experts_onnx,
-        torch.ops.k2deploy.mla_attention.default: mla_attention_onnx,
-        torch.ops.k2deploy.mla_attention_int8_cache.default: mla_attention_int8_cache_onnx,
+        torch.ops.k2deploy.moe_route.default: ROUTE.onnx_lowering(),
+        torch.ops.k2deploy.moe_experts.default: EXPERTS.onnx_lowering(),
+        torch.ops.k2deploy.mla_attention.default: ATTENTION.onnx_lowering(),
+        torch.ops.k2deploy.mla_attention_int8_cache.default: ATTENTION_INT8_CACHE.onnx_lowering(),
         torch.ops.k2deploy.linear_int8.default: linear_int8_onnx,
         torch.ops.k2deploy.moe_experts_int8.default: moe_experts_int8_onnx,
     }

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from .fp8 import E4M3_VALUES, dequantize
-from .onnx_domain import Body, FunctionSpec, custom_node
+from .onnx_domain import Body
+from .op_spec import (EXPERT_BITS_DTYPES, FLOAT, INT64, KernelLaunch, OpSpec, Plugin, Tensor, fixed, is_int, need,
+                      tensor)
 
 
 def experts_up_eager(x, expert_ids, gate_bits, gate_scale, up_bits, up_scale, block: int) -> torch.Tensor:
@@ -50,41 +52,71 @@ def experts_eager(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, 
     return experts_down_eager(hidden, expert_ids, route_weights, down_bits, down_scale, block)
 
 
-@torch.library.custom_op("k2deploy::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor, gate_bits: torch.Tensor,
-                gate_scale: torch.Tensor, up_bits: torch.Tensor, up_scale: torch.Tensor, down_bits: torch.Tensor,
-                down_scale: torch.Tensor, block: int) -> torch.Tensor:
-    return experts_eager(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits,
-                         down_scale, block)
+# -- the ops: MoeExperts, and the two plugins a TensorRT copy runs it as -----------------------
+# bits [e, rows, cols] with one scale per block: [e, ceil(rows/block), ceil(cols/block)] (fb, mb: f and m in blocks)
+
+_TENSORS = {
+    "x": tensor("n m", FLOAT), "expert_ids": tensor("n k", INT64), "route_weights": tensor("n k", FLOAT),
+    "gate_bits": tensor("e f m", *EXPERT_BITS_DTYPES), "gate_scale": tensor("e fb mb", FLOAT),
+    "up_bits": tensor("e f m", *EXPERT_BITS_DTYPES), "up_scale": tensor("e fb mb", FLOAT),
+    "down_bits": tensor("e m f", *EXPERT_BITS_DTYPES), "down_scale": tensor("e mb fb", FLOAT),
+    "hidden": tensor("n k f", FLOAT), "y": tensor("n m", FLOAT),
+}
 
 
-@moe_experts.register_fake
-def _(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale, block):
-    return torch.empty_like(x, dtype=torch.float32)
+def _tensors(names: str) -> dict[str, Tensor]:
+    return {name: _TENSORS[name] for name in names.split()}
 
 
-# -- ONNX -----------------------------------------------------------------------------------
+def _check_blocks(dims: dict) -> None:
+    block = dims["block"]
+    need(block >= 1, f"block must be positive, got {block}")
+    for rows, blocks in (("f", "fb"), ("m", "mb")):
+        if is_int(dims[rows]) and is_int(dims[blocks]):
+            need(dims[blocks] == -(-dims[rows] // block),
+                 f"{dims[blocks]} scales along {rows} = {dims[rows]} is not one scale per {block}-block")
 
-EXPERTS = FunctionSpec(
+
+def _up_launch(dims: dict, *, block: int) -> KernelLaunch:
+    """One program per (token-expert pair, block of expert rows)."""
+    from . import triton_kernels as tk
+
+    k, width, hidden = fixed(dims, "k", "f", "m")
+    constants = tk.experts_constants(block)
+    return KernelLaunch(tk.moe_experts_up_kernel, constants, grid=(dims["n"] * k, -(-width // constants["BLOCK_R"])),
+                        scalars=(k, hidden, width))
+
+
+def _down_launch(dims: dict, *, block: int) -> KernelLaunch:
+    """One program per (token, block of output rows)."""
+    from . import triton_kernels as tk
+
+    k, hidden, width = fixed(dims, "k", "m", "f")
+    constants = tk.experts_constants(block)
+    return KernelLaunch(tk.moe_experts_down_kernel, constants, grid=(dims["n"], -(-hidden // constants["BLOCK_R"])),
+                        scalars=(k, hidden, width))
+
+
+EXPERTS_UP = OpSpec(
+    "MoeExpertsUp", _tensors("x expert_ids gate_bits gate_scale up_bits up_scale"), _tensors("hidden"),
+    {"block": int}, _check_blocks,
+    Plugin("moe_experts_up", "one Triton kernel per (token-expert pair, block of expert rows): FP8 gate and up rows "
+                             "of the chosen expert times x, SwiGLU; AOT PTX", _up_launch))
+EXPERTS_DOWN = OpSpec(
+    "MoeExpertsDown", _tensors("hidden expert_ids route_weights down_bits down_scale"), _tensors("y"),
+    {"block": int}, _check_blocks,
+    Plugin("moe_experts_down", "one Triton kernel per (token, block of hidden rows): FP8 down rows of each chosen "
+                               "expert times its SwiGLU output, weighted and summed; AOT PTX", _down_launch))
+# a TensorRT copy runs MoeExperts as two plugins: an AOT plugin is one kernel launch, and the down projection
+# needs the whole SwiGLU output of its expert
+EXPERTS = OpSpec(
     "MoeExperts",
-    ["x", "expert_ids", "route_weights", "gate_bits", "gate_scale", "up_bits", "up_scale", "down_bits", "down_scale"],
-    ["y"],
-    ["block"],
-)
-_experts_node = custom_node(EXPERTS.name, EXPERTS.inputs, EXPERTS.outputs, {"block": int})
-
-# MoeExperts in two halves, as the TensorRT copy of a graph runs it (two plugins: an AOT plugin is one kernel).
-EXPERTS_UP = FunctionSpec("MoeExpertsUp", ["x", "expert_ids", "gate_bits", "gate_scale", "up_bits", "up_scale"],
-                          ["hidden"], ["block"])
-EXPERTS_DOWN = FunctionSpec("MoeExpertsDown", ["hidden", "expert_ids", "route_weights", "down_bits", "down_scale"],
-                            ["y"], ["block"])
+    _tensors("x expert_ids route_weights gate_bits gate_scale up_bits up_scale down_bits down_scale"), _tensors("y"),
+    {"block": int}, _check_blocks, split_into=(EXPERTS_UP, EXPERTS_DOWN))
+moe_experts = EXPERTS.torch_op("moe_experts", experts_eager)
 
 
-def moe_experts_onnx(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits, down_scale,
-                     block: int):
-    return _experts_node(x, expert_ids, route_weights, gate_bits, gate_scale, up_bits, up_scale, down_bits,
-                         down_scale, block=block)
-
+# -- ONNX: the bodies ONNX Runtime runs for the MoeExperts node and its two halves ----------------
 
 def _dequantize(b: Body, bits: str, scale: str, index: str | None, rows: int, cols: int, block: int,
                 index_rank: int = 0) -> str:

@@ -21,6 +21,7 @@ from onnx.defs import OpSchema
 from onnxscript.values import Op, Opset
 
 from .fp8 import E4M3_VALUES
+from .op_spec import BFLOAT16, FLOAT, FLOAT16, INT64, UINT8, OpSpec, tensor
 
 ZERO_POINT = 128  # MatMulNBits' and QMoE's default 8-bit zero point
 BLOCKS = (128, 64, 32, 16)  # int8 block sizes the contrib ops take, largest (fastest) first
@@ -60,20 +61,12 @@ def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 # -- torch ops: what torch.export sees ----------------------------------------------------------
 
-@torch.library.custom_op("k2deploy::linear_int8", mutates_args=())
-def linear_int8(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _linear_int8_eager(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [..., k], codes [n, k / block, block], scales [n, k / block] -> [..., n] float32."""
     return F.linear(x.float(), dequantize_rows(codes, scales))
 
 
-@linear_int8.register_fake
-def _(x, codes, scales):
-    return x.new_empty((*x.shape[:-1], codes.shape[0]), dtype=torch.float32)
-
-
-@torch.library.custom_op("k2deploy::moe_experts_int8", mutates_args=())
-def moe_experts_int8(x: torch.Tensor, expert_ids: torch.Tensor, route_weights: torch.Tensor, fc1_codes: torch.Tensor,
-                     fc1_scales: torch.Tensor, fc2_codes: torch.Tensor, fc2_scales: torch.Tensor) -> torch.Tensor:
+def _moe_experts_int8_eager(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales) -> torch.Tensor:
     """x [n, m], expert_ids / route_weights [n, k]; fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f]
     as codes uint8 with scales [e, rows, cols / block] -> [n, m] float32: each token's chosen experts' SwiGLU,
     weighted by its route weights and summed."""
@@ -90,9 +83,19 @@ def moe_experts_int8(x: torch.Tensor, expert_ids: torch.Tensor, route_weights: t
     return out
 
 
-@moe_experts_int8.register_fake
-def _(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales):
-    return torch.empty_like(x, dtype=torch.float32)
+LINEAR_INT8 = OpSpec(
+    "LinearInt8",
+    {"x": tensor("... k", FLOAT, BFLOAT16, FLOAT16), "codes": tensor("n blocks block", UINT8),
+     "scales": tensor("n blocks", FLOAT)},
+    {"y": tensor("... n", FLOAT)}, {})
+linear_int8 = LINEAR_INT8.torch_op("linear_int8", _linear_int8_eager)
+EXPERTS_INT8 = OpSpec(
+    "MoeExpertsInt8",
+    {"x": tensor("n m", FLOAT), "expert_ids": tensor("n k", INT64), "route_weights": tensor("n k", FLOAT),
+     "fc1_codes": tensor("e f2 m", UINT8), "fc1_scales": tensor("e f2 m_blocks", FLOAT),
+     "fc2_codes": tensor("e m f", UINT8), "fc2_scales": tensor("e m f_blocks", FLOAT)},
+    {"y": tensor("n m", FLOAT)}, {})
+moe_experts_int8 = EXPERTS_INT8.torch_op("moe_experts_int8", _moe_experts_int8_eager)
 
 
 # -- ONNX: ONNX Runtime's contrib ops -------------------------------------------------------------

@@ -11,7 +11,8 @@ from __future__ import annotations
 import onnx
 import torch
 
-from .onnx_domain import Body, FunctionSpec, custom_node
+from .onnx_domain import Body
+from .op_spec import BOOL, FLOAT, FLOAT16, INT8, UINT8, KernelLaunch, OpSpec, Plugin, fixed, is_int, need, tensor
 
 
 def mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, v_dim: int,
@@ -28,30 +29,41 @@ def mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim:
     return torch.einsum("bshc,hdc->bshd", out_latent, w_uv)
 
 
-@torch.library.custom_op("k2deploy::mla_attention", mutates_args=())
-def mla_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
-                  kv_b_weight: torch.Tensor, mask: torch.Tensor, nope_dim: int, v_dim: int,
-                  softmax_scale: float) -> torch.Tensor:
-    return mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim, v_dim, softmax_scale)
+# -- the op: one declaration, from which its torch op, ONNX node and TensorRT plugin come -------
+
+def _check_attention(dims: dict) -> None:
+    """kv_b_weight stacks each head's W_UK and W_UV rows: [h * (d + v), c]."""
+    h, rows, nope_dim, v_dim = dims["h"], dims["hdv"], dims["nope_dim"], dims["v_dim"]
+    if is_int(h) and is_int(rows):
+        need(rows == h * (nope_dim + v_dim), f"kv_b_weight has {rows} rows, expected heads * (nope_dim + v_dim) = "
+                                             f"{h} * ({nope_dim} + {v_dim})")
+    need(dims["softmax_scale"] > 0, f"softmax_scale must be positive, got {dims['softmax_scale']}")
 
 
-@mla_attention.register_fake
-def _(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim, v_dim, softmax_scale):
-    b, s, h, _ = q_nope.shape
-    return q_nope.new_empty((b, s, h, v_dim), dtype=torch.float32)
+def _attention_launch(dims: dict, *, nope_dim: int, v_dim: int, softmax_scale: float) -> KernelLaunch:
+    """One program per (row and new position, block of heads); latent [b, t, c] and rope [b, t, r] contiguous,
+    so their strides are (t * c, c) and (t * r, r)."""
+    from . import triton_kernels as tk
+
+    seq, keys = dims["s"], dims["t"]
+    heads, latent_dim, rope_dim = fixed(dims, "h", "c", "r")
+    constants = tk.mla_constants(nope_dim, v_dim, latent_dim, rope_dim, softmax_scale)
+    return KernelLaunch(tk.mla_attention_kernel, constants, grid=(dims["b"] * seq, -(-heads // constants["BLOCK_H"])),
+                        scalars=(seq, keys, heads, keys * latent_dim, latent_dim, keys * rope_dim, rope_dim),
+                        options={"num_stages": tk.MLA_STAGES})
 
 
-# -- ONNX -----------------------------------------------------------------------------------
-
-ATTENTION = FunctionSpec("MlaAttention", ["q_nope", "q_pe", "latent", "rope", "kv_b_weight", "mask"], ["out"],
-                         ["nope_dim", "v_dim", "softmax_scale"])
-_attention_node = custom_node(ATTENTION.name, ATTENTION.inputs, ATTENTION.outputs,
-                              {"nope_dim": int, "v_dim": int, "softmax_scale": float})
-
-
-def mla_attention_onnx(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, v_dim: int, softmax_scale: float):
-    return _attention_node(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim=nope_dim, v_dim=v_dim,
-                           softmax_scale=softmax_scale)
+_QUERY = {"q_nope": tensor("b s h nope_dim", FLOAT), "q_pe": tensor("b s h r", FLOAT)}
+_ATTENTION_ATTRIBUTES = {"nope_dim": int, "v_dim": int, "softmax_scale": float}
+_OUT = {"out": tensor("b s h v_dim", FLOAT)}
+ATTENTION = OpSpec(
+    "MlaAttention",
+    {**_QUERY, "latent": tensor("b t c", FLOAT), "rope": tensor("b t r", FLOAT), "kv_b_weight": tensor("hdv c", FLOAT),
+     "mask": tensor("b s t", BOOL)},
+    _OUT, _ATTENTION_ATTRIBUTES, _check_attention,
+    Plugin("mla_attention", "one Triton kernel per (row, position, head block): absorbed attention over the latent "
+                            "with an online softmax; AOT PTX", _attention_launch))
+mla_attention = ATTENTION.torch_op("mla_attention", mla_attention_eager)
 
 
 def mla_attention_function(heads: int, nope_dim: int, v_dim: int, softmax_scale: float) -> onnx.FunctionProto:
@@ -174,40 +186,23 @@ def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_ro
     return mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim, v_dim, softmax_scale)
 
 
-@torch.library.custom_op("k2deploy::mla_attention_int8_cache", mutates_args=())
-def mla_attention_int8_cache(q_nope: torch.Tensor, q_pe: torch.Tensor, past_codes: torch.Tensor, past_scale: torch.Tensor,
-                             past_rope: torch.Tensor, new_latent: torch.Tensor, new_rope: torch.Tensor,
-                             w_uk_codes: torch.Tensor, w_uk_scale: torch.Tensor, w_uv_codes: torch.Tensor,
-                             w_uv_scale: torch.Tensor, mask: torch.Tensor, nope_dim: int, v_dim: int,
-                             softmax_scale: float) -> torch.Tensor:
-    return mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope,
-                                          w_uk_codes, w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim, v_dim,
-                                          softmax_scale)
+def _check_int8_cache_attention(dims: dict) -> None:
+    """The mask covers the past and the new positions: [b, s, t + s]."""
+    t, s, keys = dims["t"], dims["s"], dims["keys"]
+    if is_int(t) and is_int(s) and is_int(keys):
+        need(keys == t + s, f"the mask covers {keys} key positions, not past + new = {t} + {s}")
+    need(dims["softmax_scale"] > 0, f"softmax_scale must be positive, got {dims['softmax_scale']}")
 
 
-@mla_attention_int8_cache.register_fake
-def _(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes, w_uk_scale, w_uv_codes,
-      w_uv_scale, mask, nope_dim, v_dim, softmax_scale):
-    b, s, h, _ = q_nope.shape
-    return q_nope.new_empty((b, s, h, v_dim), dtype=torch.float32)
-
-
-ATTENTION_INT8_CACHE = FunctionSpec(
+ATTENTION_INT8_CACHE = OpSpec(
     "MlaAttentionInt8Cache",
-    ["q_nope", "q_pe", "past_codes", "past_scale", "past_rope", "new_latent", "new_rope", "w_uk_codes", "w_uk_scale",
-     "w_uv_codes", "w_uv_scale", "mask"],
-    ["out"], ["nope_dim", "v_dim", "softmax_scale"])
-_attention_int8_cache_node = custom_node(ATTENTION_INT8_CACHE.name, ATTENTION_INT8_CACHE.inputs,
-                                         ATTENTION_INT8_CACHE.outputs,
-                                         {"nope_dim": int, "v_dim": int, "softmax_scale": float})
-
-
-def mla_attention_int8_cache_onnx(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes,
-                                  w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim: int, v_dim: int,
-                                  softmax_scale: float):
-    return _attention_int8_cache_node(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope,
-                                      w_uk_codes, w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim=nope_dim,
-                                      v_dim=v_dim, softmax_scale=softmax_scale)
+    {**_QUERY, "past_codes": tensor("t b c", UINT8), "past_scale": tensor("t b 1", FLOAT),
+     "past_rope": tensor("t b r", FLOAT16), "new_latent": tensor("b s c", FLOAT), "new_rope": tensor("b s r", FLOAT),
+     "w_uk_codes": tensor("h nope_dim c", INT8), "w_uk_scale": tensor("h 1 c", FLOAT),
+     "w_uv_codes": tensor("h c v_dim", INT8), "w_uv_scale": tensor("h 1 v_dim", FLOAT),
+     "mask": tensor("b s keys", BOOL)},
+    _OUT, _ATTENTION_ATTRIBUTES, _check_int8_cache_attention)
+mla_attention_int8_cache = ATTENTION_INT8_CACHE.torch_op("mla_attention_int8_cache", mla_attention_int8_cache_eager)
 
 
 def mla_attention_int8_cache_function(heads: int, nope_dim: int, v_dim: int, softmax_scale: float) -> onnx.FunctionProto:
@@ -252,3 +247,8 @@ def _quantized_rows(b: Body, rows: str, largest: float, dtype: int, offset: int 
     if offset:
         codes = b.node("Add", codes, b.const(float(offset), onnx.TensorProto.FLOAT))
     return b.node("Cast", codes, to=dtype), row_scale
+
+
+# The op that attends over each latent cache format (core/cache_format.py): over int8 the stored codes are
+# read in place; fp8 and bf16 are widened to float32 and joined with the new entries first.
+CACHE_ATTENTION = {"fp8": mla_attention, "bf16": mla_attention, "int8": mla_attention_int8_cache}

@@ -8,8 +8,6 @@ that body on any execution provider, and TensorRT's parser can swap the node for
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import onnx
 from onnx import helper
 from onnx.defs import OpSchema
@@ -19,7 +17,7 @@ DOMAIN = "k2deploy"
 VERSION = 1
 BODY_OPSET = 21  # the standard opset the function bodies are written against
 
-_ATTRIBUTE_TYPES = {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT}
+_ATTRIBUTE_TYPES = {int: OpSchema.AttrType.INT, float: OpSchema.AttrType.FLOAT, bool: OpSchema.AttrType.INT}
 _ALL_TENSORS = [f"tensor({t})" for t in ("float", "float16", "bfloat16", "int64", "int32", "uint8", "bool", "float8e4m3fn")]
 
 
@@ -35,7 +33,6 @@ def custom_node(name: str, inputs: list[str], outputs: list[str], attributes: di
         attributes=[OpSchema.Attribute(n, _ATTRIBUTE_TYPES[t]) for n, t in attributes.items()],
     )
     return Op(Opset(DOMAIN, VERSION), name, schema)
-
 
 
 class Body:
@@ -66,14 +63,9 @@ class Body:
         self.nodes.append(helper.make_node("Identity", [source], [target]))
 
 
-@dataclass(frozen=True)
-class FunctionSpec:
-    name: str
-    inputs: list[str]
-    outputs: list[str]
-    attributes: list[str]
-
-    def function(self, body: Body, extra_opsets: list | None = None) -> onnx.FunctionProto:
-        return helper.make_function(DOMAIN, self.name, self.inputs, self.outputs, body.nodes,
-                                    opset_imports=[helper.make_opsetid("", BODY_OPSET), *(extra_opsets or [])],
-                                    attributes=self.attributes)
+def make_function(name: str, inputs: list[str], outputs: list[str], attributes: list[str], body: Body,
+                  extra_opsets: list | None = None) -> onnx.FunctionProto:
+    """The model-local function `k2deploy::name` with this body, written against BODY_OPSET (and extra_opsets)."""
+    return helper.make_function(DOMAIN, name, inputs, outputs, body.nodes,
+                                opset_imports=[helper.make_opsetid("", BODY_OPSET), *(extra_opsets or [])],
+                                attributes=attributes)

@@ -1,7 +1,8 @@
-"""MoE routing, eager: sigmoid scores, choice on score + correction bias, weights from the scores.
+"""MoE routing: sigmoid scores, choice on score + correction bias, weights from the scores.
 
-Ties in the choice go to the lower expert id (ONNX TopK's rule), so every face of the op
-picks the same experts for the same input.
+The eager code, the op's declaration `ROUTE` (its torch op, ONNX node and TensorRT plugin with
+its AOT kernel launch), and the ONNX body. Ties in the choice go to the lower expert id (ONNX
+TopK's rule), so every face of the op picks the same experts for the same input.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import onnx
 import torch
 
-from .onnx_domain import Body, FunctionSpec, custom_node
+from .onnx_domain import Body
+from .op_spec import FLOAT, INT64, KernelLaunch, OpSpec, Plugin, fixed, is_int, need, tensor
 
 
 def top_k_lowest_id_first(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -34,34 +36,41 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.T
     return route_weights * scaling, expert_ids
 
 
-# -- torch op: what torch.export sees ------------------------------------------------------
+# -- the op: one declaration, from which its torch op, ONNX node and TensorRT plugin come -------
 
-@torch.library.custom_op("k2deploy::moe_route", mutates_args=())
-def moe_route(x: torch.Tensor, router_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int,
-              n_group: int, topk_group: int, normalise: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return route(x, router_weight, correction_bias, top_k, n_group, topk_group, normalise, scaling)
-
-
-@moe_route.register_fake
-def _(x, router_weight, correction_bias, top_k, n_group, topk_group, normalise, scaling):
-    n = x.shape[0]
-    return x.new_empty((n, top_k), dtype=torch.float32), x.new_empty((n, top_k), dtype=torch.int64)
+def _check_routing(dims: dict) -> None:
+    top_k, n_group, topk_group, experts = dims["top_k"], dims["n_group"], dims["topk_group"], dims["e"]
+    need(top_k >= 1, f"top_k must be at least 1, got {top_k}")
+    need(n_group >= 1 and 1 <= topk_group <= n_group, f"bad groups: n_group {n_group}, topk_group {topk_group}")
+    if is_int(experts):
+        need(experts % n_group == 0, f"n_group {n_group} does not divide the {experts} experts")
+        need(top_k <= topk_group * (experts // n_group), f"top_k {top_k} exceeds the experts of {topk_group} group(s)")
 
 
-# -- ONNX: one MoeRoute node, and the body ONNX Runtime runs for it --------------------------
+def _route_launch(dims: dict, *, top_k: int, n_group: int, topk_group: int, normalise: bool,
+                  scaling: float) -> KernelLaunch:
+    """One program per token."""
+    from . import triton_kernels as tk
 
-ROUTE = FunctionSpec("MoeRoute", ["x", "router_weight", "correction_bias"], ["route_weights", "expert_ids"],
-                     ["top_k", "n_group", "topk_group", "normalise", "scaling"])
-_route_node = custom_node(ROUTE.name, ROUTE.inputs, ROUTE.outputs,
-                          {"top_k": int, "n_group": int, "topk_group": int, "normalise": int, "scaling": float})
+    n = dims["n"]
+    experts, hidden = fixed(dims, "e", "m")
+    return KernelLaunch(tk.moe_route_kernel, tk.route_constants(experts, hidden, top_k, n_group, topk_group,
+                                                                normalise, scaling),
+                        grid=(n,), scalars=(n, hidden, experts))
 
 
-def moe_route_onnx(x, router_weight, correction_bias, top_k: int, n_group: int, topk_group: int,
-                   normalise: bool, scaling: float):
-    route_weights, expert_ids = _route_node(x, router_weight, correction_bias, top_k=top_k, n_group=n_group,
-                                            topk_group=topk_group, normalise=int(normalise), scaling=scaling)
-    return route_weights, expert_ids
+ROUTE = OpSpec(
+    "MoeRoute",
+    inputs={"x": tensor("n m", FLOAT), "router_weight": tensor("e m", FLOAT), "correction_bias": tensor("e", FLOAT)},
+    outputs={"route_weights": tensor("n top_k", FLOAT), "expert_ids": tensor("n top_k", INT64)},
+    attributes={"top_k": int, "n_group": int, "topk_group": int, "normalise": bool, "scaling": float},
+    check=_check_routing,
+    plugin=Plugin("moe_route", "one Triton kernel per token (scores, sigmoid, bias, group limit, top-k, normalise, "
+                               "scale); AOT PTX", _route_launch))
+moe_route = ROUTE.torch_op("moe_route", route)
 
+
+# -- ONNX: the body ONNX Runtime runs for the MoeRoute node ----------------------------------
 
 def moe_route_function(top_k: int, n_group: int, topk_group: int, normalise: bool, scaling: float) -> onnx.FunctionProto:
     """The body for one model's routing settings (they also travel as the node's attributes)."""

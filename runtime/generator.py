@@ -1,6 +1,6 @@
 """Generation for `k2deploy generate`, score and the benchmarks: a batch of prompts as requests of the step loop
 (`step_loop.StepLoop`, the server's), on any backend of the runtime interface; and the single prefill and
-decode forwards (`steps.Steps`) that benchmarks time one by one."""
+decode forwards (`batch_forward.BatchForward`) that benchmarks time one by one."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.errors import K2Error
-from .interface import Cache, Model
+from .batch_forward import BatchForward
+from .cache import Cache
+from .interface import Model
 from .requests import GenerationRequest
 from .sampling import SamplingParams
 from .step_loop import StepLoop
-from .steps import Steps
 
 
 @dataclass
@@ -42,11 +43,11 @@ class Generator:
 
     def prefill(self, prompts: list[list[int]], cache: Cache) -> np.ndarray:
         """Runs the prompts (rows right-padded) into an empty cache -> logits at each row's last token [b, vocab]."""
-        return Steps(self.model, cache).prefill(list(range(len(prompts))), prompts)
+        return BatchForward(self.model, cache).prefill(list(range(len(prompts))), prompts)
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, cache: Cache) -> np.ndarray:
         """One token per row at the end of its sequence -> logits [b, vocab]; inactive rows leave the cache alone."""
-        return Steps(self.model, cache).decode(list(range(len(tokens))), tokens, active)
+        return BatchForward(self.model, cache).decode(list(range(len(tokens))), tokens, active)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
         """The prompts as requests of the step loop, run until each finished (a stop id or max_new_tokens)."""
@@ -71,4 +72,5 @@ class Generator:
     def score(self, prompt: list[int]) -> np.ndarray:
         """float32 logits of every prompt position [len, vocab], from one prefill."""
         self.check_prompt(prompt)
-        return Steps(self.model, self.model.new_cache(1, len(prompt))).prefill([0], [prompt], every_position=True)[0]
+        forward = BatchForward(self.model, self.model.new_cache(1, len(prompt)))
+        return forward.prefill([0], [prompt], every_position=True)[0]

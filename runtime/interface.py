@@ -1,12 +1,10 @@
 """The runtime interface every backend implements: ONNX Runtime (`ort_backend.OrtModel`), TensorRT
 (`tensorrt.backend.TrtModel`) and a pipeline of layer-range stages (`pipeline.PipelineModel`, in one process
-or on Ray actors). The step loop (`steps.Steps`) drives any of them; generate, score, bench and serve go
-through it.
+or on Ray actors). `batch_forward.BatchForward` runs one forward of any of them; the step loop
+(`step_loop.StepLoop`) drives it for generate, score, bench and serve.
 
-A forward runs some slots of a cache, in the order of its batch, through a view (`cache.rows(slots)`):
-it reads their past entries, writes the new ones into their slots and leaves the grown lengths in the
-view; only `view.commit()` makes them the cache's. So a forward that fails half-way leaves the cache's
-lengths as they were, and its slots' stale entries stay masked.
+Each backend has its cache (`cache.Cache`, the contract of caches and their views): a forward runs some of
+its slots through a view, `cache.view(slots)`.
 """
 
 from __future__ import annotations
@@ -16,29 +14,7 @@ from typing import Protocol
 import numpy as np
 
 from ..core.config import ModelConfig
-
-
-def grown_lengths(lengths: np.ndarray, positions: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """lengths [rows] after a forward wrote the valid positions [rows, s]: what a forward leaves in its view."""
-    return np.maximum(lengths, np.where(valid, positions + 1, 0).max(axis=1))
-
-
-class CacheView(Protocol):
-    lengths: np.ndarray  # [rows] int64: tokens each row holds; a forward leaves them grown
-
-    def commit(self) -> None:
-        """After a forward: the slots hold the tokens it added."""
-
-
-class Cache(Protocol):
-    lengths: np.ndarray  # [slots] int64: tokens each slot holds
-    nbytes: int
-
-    def rows(self, slots: list[int]) -> CacheView:
-        """The slots one forward runs, in its batch's order."""
-
-    def release(self, slot: int) -> None:
-        """Frees a slot for the next sequence (its stale entries stay masked: length 0)."""
+from .cache import Cache, SlotView
 
 
 class Model(Protocol):
@@ -51,9 +27,10 @@ class Model(Protocol):
     def new_cache(self, batch: int, max_len: int) -> Cache:
         """A cache of `batch` slots of `max_len` positions each."""
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, rows: CacheView) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
         """token_ids, positions, valid [b, s] (rows right-padded; row i's slot holds positions[i, 0] tokens) ->
-        hidden [b, s, m] float32; the rows' slots gain the valid entries, `rows.lengths` the grown lengths."""
+        hidden [b, s, m] float32; the view's slots gain the valid entries, `view.lengths` the grown lengths
+        (`view.commit()` makes them the cache's)."""
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32."""

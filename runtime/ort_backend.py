@@ -15,7 +15,7 @@ from ..core.cache_format import CacheFormat
 from ..core.errors import K2Error
 from ..core.manifest import Manifest
 from ..core.targets import artifact_target
-from .interface import grown_lengths
+from .cache import CacheView
 from .kv_cache import LatentCache
 from .thread_pool import process_threads, session_options
 
@@ -116,9 +116,10 @@ class OrtModel:
     def new_cache(self, batch: int, max_len: int) -> LatentCache:
         return LatentCache(self.kv_cache, self.num_layers, batch, max_len)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, rows) -> np.ndarray:
-        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the rows' slots gain the
-        valid entries and `rows.lengths` the grown lengths (`rows.commit()` makes them the cache's).
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                view: CacheView) -> np.ndarray:
+        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the view's slots gain the
+        valid entries and `view.lengths` the grown lengths (`view.commit()` makes them the cache's).
 
         Row i's slot must hold exactly positions[i, 0] tokens: its new tokens follow them. A stage that does not
         start at layer 0 takes the previous stage's hidden [b, s, m] in place of token_ids.
@@ -129,25 +130,23 @@ class OrtModel:
             self._timed("embed", started)
         else:
             hidden = np.ascontiguousarray(token_ids, dtype=np.float32)
-        b, s = positions.shape
         past = int(positions[:, 0].max())
-        cache = rows
+        new_entries = view.new_entries(positions.shape[1])
         for layer, session in enumerate(self.layer_sessions):
             started = time.perf_counter()
             binding = session.io_binding()
             binding.bind_cpu_input("hidden", hidden)
             binding.bind_cpu_input("positions", positions)
-            for name, value in cache.past_inputs(layer, past).items():
+            for name, value in view.past_inputs(layer, past).items():
                 binding.bind_ortvalue_input(name, value)
             hidden = np.empty_like(hidden)
             binding.bind_ortvalue_output("hidden_out", ort.OrtValue.ortvalue_from_numpy(hidden))
-            entries = cache.new_entry_buffers(b, s)
-            for name, array in entries.items():
-                binding.bind_ortvalue_output(name, cache.ortvalue(name, array))
+            for name, value in new_entries.items():
+                binding.bind_ortvalue_output(name, value)
             session.run_with_iobinding(binding)
-            cache.store(layer, positions, valid, entries)
+            view.store(layer, positions, valid)
             self._timed(f"layer_{self.layers.start + layer:03d}", started)
-        cache.lengths = grown_lengths(cache.lengths, positions, valid)
+        view.grow(positions, valid)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -3,23 +3,26 @@ layers on its own device, with its slice of the latent cache; only the hidden st
 from one stage to the next.
 
 The stages run in this process (`LocalStages`) or each in a Ray actor (`ray_stages.RayStages`); the
-driver holds no weights and no cache entries, only the slots' lengths. A `Stage` is the same object
-in both: in a Ray actor it is the actor's state.
+driver holds no weights and no cache entries, only the slots' lengths (`PipelineCache`). A `StageRunner`
+is the same object in both: in a Ray actor it is the actor's state.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from ..core.errors import K2Error
 from ..core.manifest import load_manifest
 from ..core.placement import Stage as Placement
-from .interface import grown_lengths
+from .cache import Cache, SlotView
 from .ort_backend import OrtModel
 
 
-class Stage:
-    """One stage: the sessions of its layers (the embedding first, the head last) and its slice of the cache."""
+class StageRunner:
+    """One stage, loaded: the sessions of its layers (the embedding first, the head last) and its slice of the
+    cache."""
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
                  device_id: int | None = None, host_share: int = 1):
@@ -42,13 +45,14 @@ class Stage:
         """Whether the stage has its cache (a restarted Ray actor has none until `allocate` again)."""
         return self.cache is not None
 
-    def forward(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, slots: list[int]) -> np.ndarray:
+    def forward(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                slots: Sequence[int]) -> np.ndarray:
         """inputs: token_ids [b, s] on the first stage, else the previous stage's hidden [b, s, m] -> hidden."""
         if self.cache is None:
             raise K2Error("this pipeline stage has no cache (it was restarted); the request that used it failed")
-        rows = self.cache.rows(slots)
-        hidden = self.model.forward(inputs, positions, valid, rows)
-        rows.commit()
+        view = self.cache.view(slots)
+        hidden = self.model.forward(inputs, positions, valid, view)
+        view.commit()
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -70,7 +74,7 @@ class LocalStages:
     """The stages in this process, called one after the other."""
 
     def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None):
-        self.stages = [Stage(artifact, p, provider, threads, device_id(p)) for p in placements]
+        self.stages = [StageRunner(artifact, p, provider, threads, device_id(p)) for p in placements]
 
     def allocate(self, batch: int, max_len: int) -> int:
         return sum(stage.allocate(batch, max_len) for stage in self.stages)
@@ -98,30 +102,21 @@ class LocalStages:
         return None
 
 
-class PipelineCache:
-    """The driver's side of a pipeline's cache: the slots' lengths; each stage holds its layers' entries."""
+class PipelineCache(Cache):
+    """The driver's side of a pipeline's cache: the slots' lengths; each stage holds its layers' entries (a
+    forward's view is a `SlotView`: the stages make their own views of the same slots)."""
 
     def __init__(self, stages, batch: int, max_len: int):
+        super().__init__(batch)
         self.stages = stages
-        self.shape = (batch, max_len)
-        self.nbytes = stages.allocate(batch, max_len)
-        self.lengths = np.zeros(batch, dtype=np.int64)
+        self._nbytes = stages.allocate(batch, max_len)
 
-    def rows(self, slots: list[int]) -> PipelineRows:
-        return PipelineRows(self, slots)
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
 
-    def release(self, slot: int) -> None:
-        self.lengths[slot] = 0
-
-
-class PipelineRows:
-    def __init__(self, cache: PipelineCache, slots: list[int]):
-        self.cache = cache
-        self.slots = [int(s) for s in slots]
-        self.lengths = cache.lengths[self.slots]  # a copy; forward replaces it with the grown lengths
-
-    def commit(self) -> None:
-        self.cache.lengths[self.slots] = self.lengths
+    def view(self, slots: Sequence[int]) -> SlotView:
+        return SlotView(self, slots)
 
 
 class PipelineModel:
@@ -143,10 +138,9 @@ class PipelineModel:
     def new_cache(self, batch: int, max_len: int) -> PipelineCache:
         return PipelineCache(self.stages, batch, max_len)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                rows: PipelineRows) -> np.ndarray:
-        hidden = self.stages.forward(token_ids, positions, valid, rows.slots)
-        rows.lengths = grown_lengths(rows.lengths, positions, valid)
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
+        hidden = self.stages.forward(token_ids, positions, valid, view.slots)
+        view.grow(positions, valid)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

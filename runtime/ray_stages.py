@@ -19,7 +19,7 @@ import numpy as np
 
 from ..core.errors import K2Error
 from ..core.placement import Stage as Placement
-from .pipeline import Stage, device_id
+from .pipeline import StageRunner, device_id
 
 ACTOR_RESTARTS = 3
 NAMESPACE = "k2deploy"
@@ -59,7 +59,7 @@ class RayStages:
         self.ray = ray
         self.placements = placements
         self.shape: tuple[int, int] | None = None
-        remote = ray.remote(Stage)
+        remote = ray.remote(StageRunner)
         nodes = _nodes_by_host(ray, max(p.host for p in placements) + 1)
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
         self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]

@@ -10,7 +10,7 @@ request's `deliver` as it comes; finished requests leave.
 Prefill and decode are separate forwards so that decode rows are never padded to a prompt's
 width. Both batch: on CPU the MoE layers' cost is mostly dequantising the experts a forward
 touches, which a batch shares (on `small`, 2 cores: one 64-token prompt 3.9 s, sixteen 8.5 s).
-Each forward runs only its requests' slots, not the whole slot table (`cache.rows`).
+Each forward runs only its requests' slots, not the whole slot table (`cache.view(slots)`).
 
 Batching moves a request's logits by float32 rounding only (about 1e-5 on `tiny`): ONNX Runtime
 picks kernels by shape (one row or several; the MoE's chosen-experts or every-expert branch),
@@ -26,11 +26,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .batch_forward import BatchForward
 from .interface import Model
 from .requests import GenerationRequest, Update
 from .sampling import sample
 from .scheduler import Scheduler
-from .steps import Steps
 from ..core.sizes import PREFILL_CHUNK
 
 if TYPE_CHECKING:
@@ -41,14 +41,14 @@ log = logging.getLogger("k2deploy.runtime")
 
 
 class StepLoop:
-    """A cache of `slots` slots of `context` positions, the requests that hold them, and the steps that run them;
-    `metrics` (the server's) counts what happens."""
+    """A cache of `slots` slots of `context` positions, the requests that hold them, and the forwards that run
+    them; `metrics` (the server's) counts what happens."""
 
     def __init__(self, model: Model, slots: int, context: int, max_queue: int, metrics: ServerMetrics | None = None):
         self.model = model
         self.context = context
         self.cache = model.new_cache(slots, context)
-        self.steps = Steps(model, self.cache)
+        self.forwards = BatchForward(model, self.cache)
         self.scheduler = Scheduler(slots, max_queue)
         self.metrics = metrics
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
@@ -72,7 +72,8 @@ class StepLoop:
 
     def running(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
-        self.scheduler.admit()  # into slots that were released (emptied) when their last request left
+        for request in self.scheduler.admit():  # into slots released when their last request left
+            request.cached = self.cache.admit(request.slot, request.prompt_ids)
         running = []
         for request in self.scheduler.running():
             if request.cancelled:
@@ -105,7 +106,7 @@ class StepLoop:
 
     def _prefill(self, requests: list[GenerationRequest]) -> None:
         chunks = [r.next_chunk(PREFILL_CHUNK) for r in requests]
-        logits = self._forward(requests, lambda slots: self.steps.prefill(slots, chunks))
+        logits = self._forward(requests, lambda slots: self.forwards.prefill(slots, chunks))
         if logits is None:
             return
         for request, chunk in zip(requests, chunks):
@@ -117,7 +118,7 @@ class StepLoop:
 
     def _decode(self, requests: list[GenerationRequest]) -> None:
         tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
-        logits = self._forward(requests, lambda slots: self.steps.decode(slots, tokens))
+        logits = self._forward(requests, lambda slots: self.forwards.decode(slots, tokens))
         if logits is not None:
             self._emit(requests, logits)
 

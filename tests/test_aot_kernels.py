@@ -22,11 +22,18 @@ import json, sys
 from triton.backends.compiler import GPUTarget
 from k2deploy.plugins.tensorrt import aot
 
+def plugin_launches(n, e, m, k, f, b, s, t, h, c, r, d, v, scaling, softmax_scale):
+    routing = dict(top_k=k, n_group=1, topk_group=1, normalise=1, scaling=scaling)
+    return [aot.launch("MoeRoute", dict(n=n, e=e, m=m), routing),
+            aot.launch("MoeExpertsUp", dict(n=n, k=k, f=f, m=m), dict(block=128)),
+            aot.launch("MoeExpertsDown", dict(n=n, k=k, f=f, m=m), dict(block=128)),
+            aot.launch("MlaAttention", dict(b=b, s=s, t=t, h=h, c=c, r=r),
+                       dict(nope_dim=d, v_dim=v, softmax_scale=softmax_scale))]
+
+
 launches = {
-    "k2": [aot.route_launch(8, 384, 7168, 8, 1, 1, 1, 2.827), aot.experts_up_launch(8, 8, 2048, 7168, 128),
-           aot.experts_down_launch(8, 8, 7168, 2048, 128), aot.attention_launch(8, 1, 1000, 64, 512, 64, 128, 128, 0.1352)],
-    "tiny": [aot.route_launch(5, 16, 192, 4, 1, 1, 1, 2.5), aot.experts_up_launch(5, 4, 96, 192, 128),
-             aot.experts_down_launch(5, 4, 192, 96, 128), aot.attention_launch(1, 5, 5, 4, 32, 16, 16, 16, 0.25)],
+    "k2": plugin_launches(8, 384, 7168, 8, 2048, 8, 1, 1000, 64, 512, 64, 128, 128, 2.827, 0.1352),
+    "tiny": plugin_launches(5, 16, 192, 4, 96, 1, 5, 5, 4, 32, 16, 16, 16, 2.5, 0.25),
 }
 out = []
 for arch in map(int, sys.argv[1].split(",")):
@@ -100,7 +107,7 @@ CONVENTION = r"""
 import dataclasses
 from k2deploy.plugins.tensorrt import aot
 
-launch = aot.experts_up_launch(4, 8, 256, 512, 128)
+launch = aot.launch("MoeExpertsUp", dict(n=4, k=8, f=256, m=512), dict(block=128))
 names = list(launch.signature)
 cases = {
     "order": dataclasses.replace(launch, signature={n: launch.signature[n] for n in names[1:2] + names[:1] + names[2:]}),

@@ -184,11 +184,11 @@ def test_a_cpu_artifact_refuses_other_runtimes_in_one_line(tiny_cpu_artifact):
     for flags, runner in ((["--provider", "cuda"], "ONNX Runtime's cuda provider"), (["--backend", "tensorrt"], "TensorRT")):
         result = run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2", *flags)
         assert result.returncode == 2 and "Traceback" not in result.stderr
-        assert f"lowered for --target cpu" in result.stderr and runner in result.stderr
-    from k2deploy.export.tensorrt_graph import write_tensorrt_copies
+        assert "lowered for --target cpu" in result.stderr and runner in result.stderr
+    from k2deploy.export.tensorrt_graph import tensorrt_copies
 
     with pytest.raises(K2Error, match="lowered for --target cpu .* cannot run on TensorRT"):
-        write_tensorrt_copies(load_manifest(tiny_cpu_artifact))
+        tensorrt_copies(load_manifest(tiny_cpu_artifact))
 
 
 def test_export_targets_and_their_caches(tiny_checkpoint, tmp_path):

@@ -117,7 +117,7 @@ def test_options_are_checked_strictly():
         assert error.value.status == 400
 
 
-def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
+def test_a_cache_view_runs_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     """A prompt prefilled and decoded through slot 2 of a 4-slot cache gives the logits and cache entries it
     gives in a cache of its own, and leaves the other slots alone."""
     from k2deploy.core.manifest import load_manifest
@@ -129,24 +129,24 @@ def test_cache_rows_run_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     valid = np.ones_like(prompt, dtype=bool)
 
     own = model.new_cache(1, 16)
-    own_logits = [model.logits(model.forward(prompt, positions, valid, own.rows([0])))[0, -1]]
+    own_logits = [model.logits(model.forward(prompt, positions, valid, own.view([0])))[0, -1]]
     own_logits.append(model.logits(model.forward(np.array([[7]]), np.array([[5]]), np.ones((1, 1), bool),
-                                                 own.rows([0])))[0, 0])
+                                                 own.view([0])))[0, 0])
 
     shared = model.new_cache(4, 16)
-    shared.latent[:] = 1  # stale entries of other slots must not leak in
-    rows = shared.rows([2])
-    shared_logits = [model.logits(model.forward(prompt, positions, valid, rows))[0, -1]]
-    rows.commit()
-    rows = shared.rows([2])
-    shared_logits.append(model.logits(model.forward(np.array([[7]]), rows.lengths[:, None].copy(),
-                                                    np.ones((1, 1), bool), rows))[0, 0])
-    rows.commit()
+    shared.arrays["latent"][:] = 1  # stale entries of other slots must not leak in
+    view = shared.view([2])
+    shared_logits = [model.logits(model.forward(prompt, positions, valid, view))[0, -1]]
+    view.commit()
+    view = shared.view([2])
+    shared_logits.append(model.logits(model.forward(np.array([[7]]), view.lengths[:, None].copy(),
+                                                    np.ones((1, 1), bool), view))[0, 0])
+    view.commit()
     np.testing.assert_array_equal(own_logits, shared_logits)
     assert own.lengths.tolist() == [0]  # a forward alone does not advance the cache: its view's commit does
     assert shared.lengths.tolist() == [0, 0, 6, 0]
-    np.testing.assert_array_equal(shared.latent[:, :6, 2], own.latent[:, :6, 0])
-    assert (shared.latent[:, :, [0, 1, 3]] == 1).all()
+    np.testing.assert_array_equal(shared.arrays["latent"][:, :6, 2], own.arrays["latent"][:, :6, 0])
+    assert (shared.arrays["latent"][:, :, [0, 1, 3]] == 1).all()
 
 
 def test_serve_registers_on_the_main_parser():

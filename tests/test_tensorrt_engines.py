@@ -179,33 +179,30 @@ class FakeCuda:
         pass
 
 
+CACHE_SPEC = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
+ARRAYS = ("latent", "rope", "latent_scale")
+
+
 def test_the_device_cache_stores_entries_where_the_host_cache_does():
     import numpy as np
     pytest.importorskip("onnxruntime")
     from k2deploy.runtime.kv_cache import LatentCache
     from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
 
-    spec = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
     layers, batch, max_len, s = 2, 3, 10, 4
     cuda = FakeCuda()
-    device = DeviceLatentCache(spec, layers, batch, max_len, cuda, stream=None)
-    host = LatentCache(spec, layers, batch, max_len)
+    device = DeviceLatentCache(CACHE_SPEC, layers, batch, max_len, cuda, stream=None)
+    host = LatentCache(CACHE_SPEC, layers, batch, max_len)
     rng = np.random.default_rng(0)
     for layer, (positions, valid) in enumerate([
         (np.broadcast_to(np.arange(s), (batch, s)), np.arange(s)[None] < np.array([[4], [2], [3]])),  # ragged prefill
         (np.array([[4, 5, 6, 7], [2, 3, 9, 9], [3, 4, 5, 6]]), np.array([[1, 1, 0, 1], [1, 1, 0, 0], [0, 1, 1, 1]],
                                                                          dtype=bool)),  # runs with gaps
     ]):
-        entries = {"new_latent": rng.integers(0, 255, (batch, s, 8), dtype=np.uint8),
-                   "new_rope": rng.standard_normal((batch, s, 4)).astype(np.float16),
-                   "new_latent_scale": rng.random((batch, s, 2)).astype(np.float32)}
-        host.store(layer, positions, valid, entries)
-        pointers = {}
-        for name, array in entries.items():
-            address = pointers[name.removeprefix("new_")] = cuda.malloc(array.nbytes)
-            cuda.memory[address:address + array.nbytes] = array.tobytes()
-        device.store(layer, positions, valid, pointers)
-    for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
+        _store([host.view(range(batch)), device.view(range(batch))], layer, positions, valid,
+               _random_entries(rng, batch, s))
+    for name in ARRAYS:
+        array = host.arrays[name]
         np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
 
 
@@ -215,34 +212,42 @@ def _device_and_host_caches(layers, batch, max_len):
     from k2deploy.runtime.kv_cache import LatentCache
     from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
 
-    spec = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
     cuda = FakeCuda()
-    device, host = DeviceLatentCache(spec, layers, batch, max_len, cuda, stream=None), LatentCache(spec, layers, batch, max_len)
+    device = DeviceLatentCache(CACHE_SPEC, layers, batch, max_len, cuda, stream=None)
+    host = LatentCache(CACHE_SPEC, layers, batch, max_len)
     rng = np.random.default_rng(1)
     positions = np.broadcast_to(np.arange(5), (batch, 5))
     valid = positions < rng.integers(1, 6, (batch, 1))
+    views = [host.view(range(batch)), device.view(range(batch))]
     for layer in range(layers):
-        entries = _random_entries(rng, batch, 5)
-        host.store(layer, positions, valid, entries)
-        device.store(layer, positions, valid, _on_device(cuda, entries))
-    host.lengths = device.lengths = valid.sum(axis=1)
+        _store(views, layer, positions, valid, _random_entries(rng, batch, 5))
+    for view in views:
+        view.grow(positions, valid)
+        view.commit()
     return cuda, device, host
 
 
 def _random_entries(rng, b, s):
     import numpy as np
 
-    return {"new_latent": rng.integers(0, 255, (b, s, 8), dtype=np.uint8),
-            "new_rope": rng.standard_normal((b, s, 4)).astype(np.float16),
-            "new_latent_scale": rng.random((b, s, 2)).astype(np.float32)}
+    return {"latent": rng.integers(0, 255, (b, s, 8), dtype=np.uint8),
+            "rope": rng.standard_normal((b, s, 4)).astype(np.float16),
+            "latent_scale": rng.random((b, s, 2)).astype(np.float32)}
 
 
-def _on_device(cuda, entries):
-    pointers = {}
+def _store(views, layer, positions, valid, entries):
+    """A layer's new entries [b, s, width] written where a host view and a device view give their layers'
+    outputs, then stored by each view."""
+    host_view, device_view = views
+    host_view.new_entries(positions.shape[1])
+    addresses = device_view.new_entries(positions.shape[1])
+    cuda = device_view.cache.cuda
     for name, array in entries.items():
-        address = pointers[name.removeprefix("new_")] = cuda.malloc(array.nbytes)
+        host_view.entries[name][:] = array
+        address = addresses[f"new_{name}"]
         cuda.memory[address:address + array.nbytes] = array.tobytes()
-    return pointers
+    for view in views:
+        view.store(layer, positions, valid)
 
 
 def _read(cuda, address, like):
@@ -259,41 +264,43 @@ def _read_cache(cuda, device, name, like):
 
 
 @pytest.mark.parametrize("slots", [[2, 0], [1], [0, 1, 2, 3]], ids=["two-reordered", "one", "whole"])
-def test_device_cache_rows_see_and_grow_the_slots_the_host_rows_do(slots):
+def test_device_cache_views_see_and_grow_the_slots_the_host_views_do(slots):
     """The server runs a forward over some slots of the cache: on the GPU the rows' past is gathered into
     one block per layer and the new entries land in their slots, exactly as on the host."""
     import numpy as np
     pytest.importorskip("onnxruntime")
 
     cuda, device, host = _device_and_host_caches(layers=2, batch=4, max_len=12)
-    device_rows, host_rows = device.rows(slots), host.rows(slots)
-    past = int(host_rows.lengths.max())
+    device_view, host_view = device.view(slots), host.view(slots)
+    past = int(host_view.lengths.max())
     for layer in range(2):
-        host_inputs = host_rows.past_inputs(layer, past)
-        for name in ("latent", "rope", "latent_scale"):
+        host_inputs, device_inputs = host_view.past_inputs(layer, past), device_view.past_inputs(layer, past)
+        for name in ARRAYS:
             expected = host_inputs[f"past_{name}"].numpy()
             if name == "latent":
                 expected = expected.view(np.uint8)
-            np.testing.assert_array_equal(_read(cuda, device_rows.past_address(name, layer, past), expected), expected,
-                                          err_msg=f"layer {layer} {name}")
-    positions = host_rows.lengths[:, None] + np.arange(2)  # two new tokens after what each slot holds
+            shape, address = device_inputs[f"past_{name}"]
+            assert shape == expected.shape == (past, len(slots), expected.shape[-1])
+            np.testing.assert_array_equal(_read(cuda, address, expected), expected, err_msg=f"layer {layer} {name}")
+    positions = host_view.lengths[:, None] + np.arange(2)  # two new tokens after what each slot holds
     valid = np.ones_like(positions, dtype=bool)
-    entries = _random_entries(np.random.default_rng(2), len(slots), 2)
-    host_rows.store(1, positions, valid, entries)
-    device_rows.store(1, positions, valid, _on_device(cuda, entries))
-    for rows in (host_rows, device_rows):
-        rows.lengths = rows.lengths + 2
-        rows.commit()
+    _store([host_view, device_view], 1, positions, valid, _random_entries(np.random.default_rng(2), len(slots), 2))
+    for view in (host_view, device_view):
+        view.grow(positions, valid)
+        view.commit()
     assert device.lengths.tolist() == host.lengths.tolist()
-    for name, array in (("latent", host.latent), ("rope", host.rope), ("latent_scale", host.latent_scale)):
+    for name in ARRAYS:
+        array = host.arrays[name]
         np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
 
 
-def test_device_cache_rows_must_be_distinct_slots():
-    _, device, _ = _device_and_host_caches(layers=1, batch=3, max_len=8)
-    for slots in ([0, 0], [3]):
-        with pytest.raises(K2Error, match="not distinct slots of a 3-slot cache"):
-            device.rows(slots)
+def test_cache_views_must_be_distinct_slots():
+    pytest.importorskip("onnxruntime")
+    _, device, host = _device_and_host_caches(layers=1, batch=3, max_len=8)
+    for cache in (device, host):
+        for slots in ([0, 0], [3]):
+            with pytest.raises(K2Error, match="not distinct slots of a 3-slot cache"):
+                cache.view(slots)
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")

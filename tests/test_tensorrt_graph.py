@@ -12,7 +12,7 @@ ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper  # noqa: E402
 
 from k2deploy.export.tensorrt_graph import (  # noqa: E402
-    OPS_FILE, op_types, parser_ops, parser_problems, supported_ops, tensorrt_model, write_tensorrt_copies)
+    OPS_FILE, op_types, parser_ops, parser_problems, supported_ops, tensorrt_model, tensorrt_copies)
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
 from k2deploy.runtime.thread_pool import session_options  # noqa: E402
@@ -37,7 +37,7 @@ def copies(request, tiny_artifacts, tmp_path_factory):
     """A private copy of a tiny artifact with its TensorRT copies written: (manifest, report)."""
     root = shutil.copytree(tiny_artifacts[request.param], tmp_path_factory.mktemp("trt") / request.param)
     manifest = load_manifest(root, verify_hashes=False)
-    return manifest, write_tensorrt_copies(manifest)
+    return manifest, tensorrt_copies(manifest)
 
 
 def _load(manifest, report, stem, weights=False):
@@ -192,11 +192,26 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
                 feeds["past_latent_scale"] = rng.random((t, b, 1)).astype(np.float32)
         for out, x, y in zip(original.get_outputs(), original.run(None, feeds), rewritten.run(None, feeds)):
             x, y = np.asarray(x), np.asarray(y)
-            if x.dtype.itemsize < 4 and x.dtype.kind in "uV":  # FP8 / BF16 bits: must be identical
-                assert np.array_equal(x.view(np.uint8), y.view(np.uint8)), (stem, out.name)
+            if out.name == "new_latent" and cache["format"] == "bf16":  # widened to float32 by _widened: bf16 values
+                x, y = x.astype(ml_dtypes.bfloat16), y.astype(ml_dtypes.bfloat16)
+            if x.dtype.itemsize == 1:  # FP8 bits: must be identical
+                assert np.array_equal(x, y), (stem, out.name)
+            elif x.dtype.itemsize == 2:  # float16 or bf16 bits: the two graphs' float32 values differ by rounding
+                # order (the matmuls block their sums by shape and thread count), which can carry a value across a
+                # 16-bit rounding boundary: equal, or one rounding step apart
+                assert _steps_apart(x, y) <= 1, (stem, out.name, _steps_apart(x, y))
             else:
                 np.testing.assert_allclose(y.astype(np.float32), x.astype(np.float32), rtol=1e-5, atol=1e-5,
                                            err_msg=f"{stem} {out.name}")
+
+
+def _steps_apart(x: np.ndarray, y: np.ndarray) -> int:
+    """The most representable 16-bit values between two arrays of float16 or bf16 bits (same-sign values are
+    ordered like their bit patterns; a sign change counts its distance through zero)."""
+    def ordered(bits):
+        bits = bits.view(np.uint16).astype(np.int32)
+        return np.where(bits & 0x8000, -(bits & 0x7FFF), bits)
+    return int(np.abs(ordered(x) - ordered(y)).max()) if x.size else 0
 
 
 def test_a_model_with_an_unknown_custom_op_is_refused():
@@ -220,3 +235,30 @@ def test_the_checker_names_what_the_parser_refuses():
     problems = parser_problems(helper.make_model(graph))
     assert any("SplitToSequence" in p for p in problems) and any("SequenceAt" in p for p in problems)
     assert any("quantized type" in p for p in problems) and any("must be an initializer" in p for p in problems)
+
+
+def test_a_tensorrt_export_carries_its_copies_and_building_engines_uses_them(tiny_checkpoint, tiny_artifacts, tmp_path):
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    out = tmp_path / "trt"
+    export_artifact(ExportOptions(str(tiny_checkpoint), target="tensorrt"), out)
+    manifest = load_manifest(out)  # every listed file verified by its hash, the copies included
+    stems = ["embed", *(f"layer_{e['layer']:03d}" for e in manifest.graphs["layers"]), "head"]
+    assert {f"graphs/{stem}.tensorrt.onnx" for stem in stems} <= set(manifest.data["files"])
+    cuda_files = load_manifest(tiny_artifacts["fp8"]).data["files"]
+    assert not [f for f in cuda_files if f.endswith(".tensorrt.onnx")]  # the cuda target's artifact has none
+    # the export's copy is the rewrite of its exported graph
+    layer = onnx.load(str(out / "graphs" / "layer_001.onnx"), load_external_data=False)
+    shipped = onnx.load(str(out / "graphs" / "layer_001.tensorrt.onnx"), load_external_data=False)
+    assert tensorrt_model(layer)[0].SerializeToString() == shipped.SerializeToString()
+    assert parser_problems(shipped) == []
+
+    written = {stem: (out / f"graphs/{stem}.tensorrt.onnx").stat().st_mtime_ns for stem in stems}
+    copies = tensorrt_copies(manifest)
+    assert {stem: c["file"] for stem, c in copies.items()} == {stem: f"graphs/{stem}.tensorrt.onnx" for stem in stems}
+    assert not any(c["written"] for c in copies.values()) and copies["layer_001"]["data"] == ["graphs/layer_001.data"]
+    assert {stem: (out / f"graphs/{stem}.tensorrt.onnx").stat().st_mtime_ns for stem in stems} == written
+    # without AOT kernels the copies differ (no aot attribute): written beside the listed ones, which stay intact
+    jit = tensorrt_copies(manifest, aot=False)
+    assert all(c["written"] and c["file"].endswith(".tensorrt-jit.onnx") for c in jit.values())
+    load_manifest(out)

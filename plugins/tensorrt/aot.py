@@ -1,11 +1,12 @@
 """Each plugin's ahead-of-time kernel launch as plain data, and its compilation to PTX.
 
 TensorRT launches an AOT plugin's kernel with (input pointers..., extra int32 scalars...,
-output pointers...), padding any further kernel parameter with null. So each launch here names
-the Triton kernel, its runtime parameters in declaration order with their Triton types, the
-constexprs, the grid and the scalars' values. The dimensions may be ints (tests) or TensorRT
-shape expressions (`registration.py`); `compile_launch` checks the calling convention against
-the plugin's descriptor and Triton's launch metadata before handing TensorRT the PTX.
+output pointers...), padding any further kernel parameter with null. Each op's file gives its
+kernel, constexprs, grid and scalars (`Plugin.launch`); `launch` here adds the runtime parameters
+in declaration order with their Triton types, typed from the op's declaration. The dimensions may
+be ints (tests) or TensorRT shape expressions (`registration.py`); `compile_launch` checks the
+calling convention against the plugin's descriptor and Triton's launch metadata before handing
+TensorRT the PTX.
 
 Imports triton: import it only where triton is installed.
 """
@@ -18,8 +19,11 @@ from typing import Any
 
 import triton
 
-from .. import triton_kernels as tk
+from ..op_spec import BOOL, FLOAT, FP8, INT64
 from .descriptors import PLUGINS
+
+# a plugin tensor's dtype -> the Triton type of its pointer (the expert kernels decode FP8 from its bytes)
+_POINTER_TYPES = {FLOAT: "*fp32", INT64: "*i64", BOOL: "*i1", FP8: "*u8"}
 
 
 @dataclass(frozen=True)
@@ -42,50 +46,21 @@ class CompiledKernel:
     parameters: list[str]  # the PTX entry's parameter types (".u64" pointers, ".u32" scalars), hidden ones too
 
 
-def route_launch(n_tokens, experts: int, hidden: int, top_k: int, n_group: int, topk_group: int, normalise: int,
-                 scaling: float) -> AotLaunch:
-    """MoeRoute: one program per token."""
-    return AotLaunch(
-        "MoeRoute", tk.moe_route_kernel,
-        {"x_ptr": "*fp32", "w_ptr": "*fp32", "bias_ptr": "*fp32", "n_tokens": "i32", "hidden": "i32",
-         "experts": "i32", "weights_ptr": "*fp32", "ids_ptr": "*i64"},
-        tk.route_constants(experts, hidden, top_k, n_group, topk_group, bool(normalise), scaling),
-        grid=(n_tokens,), scalars=(n_tokens, hidden, experts))
-
-
-def experts_up_launch(n_tokens, top_k: int, width: int, hidden: int, block: int) -> AotLaunch:
-    """MoeExpertsUp: one program per (token-expert pair, block of expert rows)."""
-    constants = tk.experts_constants(block)
-    return AotLaunch(
-        "MoeExpertsUp", tk.moe_experts_up_kernel,
-        {"x_ptr": "*fp32", "ids_ptr": "*i64", "gate_ptr": "*u8", "gate_scale_ptr": "*fp32", "up_ptr": "*u8",
-         "up_scale_ptr": "*fp32", "top_k": "i32", "hidden": "i32", "width": "i32", "out_ptr": "*fp32"},
-        constants, grid=(n_tokens * top_k, -(-width // constants["BLOCK_R"])), scalars=(top_k, hidden, width))
-
-
-def experts_down_launch(n_tokens, top_k: int, hidden: int, width: int, block: int) -> AotLaunch:
-    """MoeExpertsDown: one program per (token, block of output rows)."""
-    constants = tk.experts_constants(block)
-    return AotLaunch(
-        "MoeExpertsDown", tk.moe_experts_down_kernel,
-        {"h_ptr": "*fp32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "down_ptr": "*u8", "down_scale_ptr": "*fp32",
-         "top_k": "i32", "hidden": "i32", "width": "i32", "out_ptr": "*fp32"},
-        constants, grid=(n_tokens, -(-hidden // constants["BLOCK_R"])), scalars=(top_k, hidden, width))
-
-
-def attention_launch(batch, seq, keys, heads: int, latent_dim: int, rope_dim: int, nope_dim: int, v_dim: int,
-                     softmax_scale: float) -> AotLaunch:
-    """MlaAttention: one program per (row and new position, block of heads); latent [b, t, c] and rope
-    [b, t, r] contiguous, so their strides are (t * c, c) and (t * r, r)."""
-    constants = tk.mla_constants(nope_dim, v_dim, latent_dim, rope_dim, softmax_scale)
-    return AotLaunch(
-        "MlaAttention", tk.mla_attention_kernel,
-        {"q_nope_ptr": "*fp32", "q_pe_ptr": "*fp32", "latent_ptr": "*fp32", "rope_ptr": "*fp32", "w_ptr": "*fp32",
-         "mask_ptr": "*i1", "seq": "i32", "keys": "i32", "heads": "i32", "stride_lb": "i32", "stride_lt": "i32",
-         "stride_rb": "i32", "stride_rt": "i32", "out_ptr": "*fp32"},
-        constants, grid=(batch * seq, -(-heads // constants["BLOCK_H"])),
-        scalars=(seq, keys, heads, keys * latent_dim, latent_dim, keys * rope_dim, rope_dim),
-        options={"num_stages": tk.MLA_STAGES})
+def launch(plugin: str, dims: dict[str, Any], attributes: dict[str, Any]) -> AotLaunch:
+    """Plugin `plugin`'s AOT kernel launch for these bound shape symbols (`OpSpec.bind`; ints or shape
+    expressions) and attributes. Its signature is the kernel's runtime parameters in order, typed as TensorRT
+    passes them: a pointer per plugin input (of its plugin dtype), an int32 per scalar, a pointer per output."""
+    op = PLUGINS[plugin].op
+    kernel = op.plugin.launch(dims, **op.attribute_values(attributes))
+    names = [p.name for p in kernel.kernel.params if not p.is_constexpr]
+    types = ([_POINTER_TYPES[t.dtypes[0]] for t in op.inputs.values()] + ["i32"] * len(kernel.scalars)
+             + [_POINTER_TYPES[t.dtypes[0]] for t in op.outputs.values()])
+    if len(names) != len(types):
+        raise ValueError(f"{plugin}: kernel {kernel.kernel.__name__} has {len(names)} runtime parameters; TensorRT "
+                         f"passes {len(op.inputs)} input pointers, {len(kernel.scalars)} scalars and "
+                         f"{len(op.outputs)} output pointers")
+    return AotLaunch(plugin, kernel.kernel, dict(zip(names, types)), kernel.constexprs, kernel.grid, kernel.scalars,
+                     kernel.options)
 
 
 def check_convention(launch: AotLaunch) -> None:
@@ -166,5 +141,4 @@ def driver_ptx_version() -> int | None:
         return None
 
 
-__all__ = ["AotLaunch", "CompiledKernel", "attention_launch", "check_convention", "compile_launch",
-           "driver_ptx_version", "experts_down_launch", "experts_up_launch", "route_launch"]
+__all__ = ["AotLaunch", "CompiledKernel", "check_convention", "compile_launch", "driver_ptx_version", "launch"]

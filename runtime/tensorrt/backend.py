@@ -16,12 +16,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from ...core.cache_format import CacheFormat
 from ...core.errors import K2Error
 from ...core.manifest import Manifest
-from ..interface import grown_lengths
+from ..cache import CacheView
 from .cuda import CudaRuntime, stream_handle
-from .device_cache import DeviceBuffer, DeviceCacheRows, DeviceLatentCache, entry_widths
+from .device_cache import DeviceBuffer, DeviceLatentCache
 from .environment import detect_gpu, require_tensorrt
 from .record import check_record, find_engines, read_record
 
@@ -105,11 +104,6 @@ class TrtModel:
         self.hidden = [DeviceBuffer(self.cuda, tokens * m * 4) for _ in range(2)]
         self.ids = DeviceBuffer(self.cuda, tokens * 8)
         self.positions = DeviceBuffer(self.cuda, tokens * 8)
-        self.entries = {name: DeviceBuffer(self.cuda, tokens * w) for name, w in entry_widths(self.kv_cache).items()}
-        fmt = CacheFormat.from_manifest(self.kv_cache)
-        self.cache_dims = {"latent": fmt.latent_dim, "rope": fmt.rope_dim}  # last dim of each past input
-        if fmt.scaled:
-            self.cache_dims["latent_scale"] = fmt.scales_per_token
         self.logits_buffer = DeviceBuffer(self.cuda)
         self.head_input = DeviceBuffer(self.cuda)
         self.stage_seconds: dict[str, float] = defaultdict(float)
@@ -141,14 +135,13 @@ class TrtModel:
         if not context.execute_async_v3(stream_handle(self.stream)):
             raise K2Error("TensorRT failed to enqueue an engine (see its log above)")
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                cache: DeviceLatentCache | DeviceCacheRows) -> np.ndarray:
-        """As OrtModel.forward: token_ids, positions, valid [b, s] -> hidden [b, s, m]; the cache gains the
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: CacheView) -> np.ndarray:
+        """As OrtModel.forward: token_ids, positions, valid [b, s] -> hidden [b, s, m]; the view's slots gain the
         valid entries. Device-side from the embedding to the last layer; the host waits once, at the end."""
         b, s = token_ids.shape
-        if b != cache.batch or s > self.max_seq:
-            raise K2Error(f"batch {b} x {s} new positions does not fit the cache ({cache.batch} rows) or the "
-                          f"engines' profile (up to {self.max_seq} positions)")
+        if b != len(view.slots) or s > self.max_seq:
+            raise K2Error(f"batch {b} x {s} new positions does not fit the cache view ({len(view.slots)} rows) or "
+                          f"the engines' profile (up to {self.max_seq} positions)")
         started = time.perf_counter()
         profile = 1 if s == 1 else 0
         m = self.config.hidden_size
@@ -157,18 +150,17 @@ class TrtModel:
         current, other = self.hidden
         self._run(self.embed, {"token_ids": ((b, s), self.ids.pointer)}, {"hidden": current.pointer}, profile)
         past = int(positions[:, 0].max())
+        new_entries = view.new_entries(s)
         for layer, pair in enumerate(self.layers):
-            inputs = {"hidden": ((b, s, m), current.pointer), "positions": ((b, s), self.positions.pointer)}
-            for name, dim in self.cache_dims.items():
-                inputs[f"past_{name}"] = ((past, b, dim), cache.past_address(name, layer, past))
-            outputs = {"hidden_out": other.pointer, **{f"new_{n}": buf.pointer for n, buf in self.entries.items()}}
-            self._run(pair, inputs, outputs, profile)
-            cache.store(layer, positions, valid, {n: buf.pointer for n, buf in self.entries.items()})
+            inputs = {"hidden": ((b, s, m), current.pointer), "positions": ((b, s), self.positions.pointer),
+                      **view.past_inputs(layer, past)}
+            self._run(pair, inputs, {"hidden_out": other.pointer, **new_entries}, profile)
+            view.store(layer, positions, valid)
             current, other = other, current
         hidden = np.empty((b, s, m), dtype=np.float32)
         self.cuda.to_host(hidden, current.pointer, self.stream)
         self.cuda.synchronize(self.stream)
-        cache.lengths = grown_lengths(cache.lengths, positions, valid)
+        view.grow(positions, valid)
         self.stage_seconds["layers"] += time.perf_counter() - started
         return hidden
 

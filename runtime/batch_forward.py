@@ -1,19 +1,23 @@
-"""The one step loop's forwards, for generate, score, bench and serve: a prompt chunk or a decode token for
-some slots of a cache, padded into one batch, run, committed, and the logits the caller samples from."""
+"""One forward of the step loop, for generate, score, bench and serve: a prompt chunk or a decode token for
+some slots of a cache, padded into one batch, run through a view of those slots, committed, and the logits
+the caller samples from."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
-from .interface import Cache, Model
+from .cache import Cache
+from .interface import Model
 
 
-class Steps:
+class BatchForward:
     def __init__(self, model: Model, cache: Cache):
         self.model = model
         self.cache = cache
 
-    def prefill(self, slots: list[int], chunks: list[list[int]], every_position: bool = False) -> np.ndarray:
+    def prefill(self, slots: Sequence[int], chunks: list[list[int]], every_position: bool = False) -> np.ndarray:
         """Each slot's next prompt chunk after what it holds (rows right-padded to the longest) -> logits at each
         row's last chunk token [rows, vocab], or with `every_position` at every position [rows, s, vocab]."""
         lengths = np.array([len(c) for c in chunks])
@@ -24,7 +28,7 @@ class Steps:
         positions = self.cache.lengths[slots][:, None] + steps  # [rows, s]: after what each slot holds
         return self._run(slots, token_ids, positions, steps < lengths[:, None], None if every_position else lengths - 1)
 
-    def decode(self, slots: list[int], tokens: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
+    def decode(self, slots: Sequence[int], tokens: np.ndarray, active: np.ndarray | None = None) -> np.ndarray:
         """One token per slot [rows] after what it holds -> logits [rows, vocab]; inactive rows (a static batch's
         finished sequences) run masked and leave their slots alone."""
         token_ids = np.asarray(tokens, dtype=np.int64)[:, None]
@@ -32,11 +36,11 @@ class Steps:
         valid = np.ones_like(token_ids, dtype=bool) if active is None else np.asarray(active)[:, None]
         return self._run(slots, token_ids, positions, valid, np.zeros(len(slots), dtype=np.int64))
 
-    def _run(self, slots: list[int], token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+    def _run(self, slots: Sequence[int], token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
              last: np.ndarray | None) -> np.ndarray:
-        rows = self.cache.rows(list(slots))
-        hidden = self.model.forward(token_ids, positions, valid, rows)
-        rows.commit()
+        view = self.cache.view(slots)
+        hidden = self.model.forward(token_ids, positions, valid, view)
+        view.commit()
         if last is None:
             return self.model.logits(hidden)
         return self.model.logits(hidden[np.arange(len(slots)), last][:, None])[:, 0]

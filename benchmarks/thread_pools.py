@@ -1,0 +1,118 @@
+"""How a process's ONNX Runtime threads are organised, measured: one pool shared by every session (what the runtime
+does, `runtime/thread_pool.py`) against a pool per session with its threads spinning between runs or not.
+
+    . .venv/bin/activate && python benchmarks/thread_pools.py [ART] [--threads 1,2] [--rounds 3] [--json]
+
+(from the repository root; without ART, the `small` artifact that benchmarks/decode_latency.py writes under
+/tmp/k2deploy-bench, made first if missing). Each configuration and thread count runs in a process of its own (a
+process's global pool is sized once) as `generate` runs: a prompt of --prompt-len tokens, then --new-tokens greedy
+tokens, continuously, so a pool's threads stay as warm as in a server. Rounds go through every configuration in
+turn, so the machine's noise falls on each; the table gives medians over rounds of time per output token (decode),
+time to first token (prefill) and the most threads the process held.
+
+ONNX Runtime's Python API sizes the global pool but does not expose its spinning (its threads spin briefly before
+they sleep, as a per-session pool's do by default); per-session pools take `session.intra_op.allow_spinning`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIGS = {
+    "one pool": "one global pool shared by every session (the runtime's choice)",
+    "per session, spinning": "a pool per session, threads spin between runs (ONNX Runtime's default before)",
+    "per session, no spinning": "a pool per session, session.intra_op.allow_spinning = 0",
+}
+DEFAULT_ARTIFACT = Path("/tmp/k2deploy-bench/artifacts/small-L4-e64-h8-seed0-cpu-int8")
+
+# One measurement in a fresh process: argv = artifact, config, threads, prompt_len, new_tokens -> one JSON line.
+_CHILD = """
+import json, sys
+import onnxruntime as ort
+from k2deploy.core.manifest import load_manifest
+from k2deploy.runtime import ort_backend, thread_pool
+from k2deploy.runtime.generator import Generator
+from k2deploy.runtime.sampling import SamplingParams
+
+artifact, config, threads, prompt_len, new_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+if config != "one pool":  # the sessions get pools of their own instead of the process's one
+    def per_session(threads_asked, share=1):
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.endswith(", spinning") else "0")
+        return options
+    ort_backend.session_options = per_session
+    thread_pool._pool_threads = threads  # what the model reports; no global pool is made
+model = ort_backend.OrtModel(load_manifest(artifact), threads=threads)
+generator = Generator(model)
+prompt = [(i * 37) % 1000 + 3 for i in range(prompt_len)]
+generator.generate([prompt], SamplingParams(max_new_tokens=4))  # warm-up: arenas, kernels
+result = generator.generate([prompt], SamplingParams(max_new_tokens=new_tokens))[0]
+held = int(open("/proc/self/status").read().split("Threads:")[1].split()[0])
+print(json.dumps({"tpot_ms": result.tpot_ms, "ttft_ms": result.ttft_ms, "threads_held": held}))
+"""
+
+
+def ensure_artifact(path: Path | None) -> Path:
+    if path is not None:
+        return path
+    if not (DEFAULT_ARTIFACT / "manifest.json").exists():
+        subprocess.run([sys.executable, str(Path(__file__).with_name("decode_latency.py")), "--contexts", "128",
+                        "--steps", "1", "--no-reference", "--no-hf", "--moe-experts", "", "--prefill-repeats", "1"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return DEFAULT_ARTIFACT
+
+
+def measure(artifact: Path, config: str, threads: int, prompt_len: int, new_tokens: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(artifact), config, str(threads), str(prompt_len),
+                          str(new_tokens)], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("artifact", nargs="?", type=Path, help="a cpu-lowered artifact (default: decode_latency's small)")
+    parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over every configuration (default 3)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens (default 128)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    artifact = ensure_artifact(args.artifact)
+    runs = {(c, t): [] for c in CONFIGS for t in threads}
+    for round_ in range(args.rounds):
+        for key in runs:
+            runs[key].append(measure(artifact, *key, args.prompt_len, args.new_tokens))
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    rows = [{"config": c, "threads": t, **{k: statistics.median(r[k] for r in runs[(c, t)])
+                                           for k in ("tpot_ms", "ttft_ms", "threads_held")}}
+            for c, t in runs]
+    one = {row["threads"]: row for row in rows if row["config"] == "one pool"}
+    for row in rows:
+        base = one[threads[0]]
+        row["decode_speedup"] = base["tpot_ms"] / row["tpot_ms"]
+        row["prefill_speedup"] = base["ttft_ms"] / row["ttft_ms"]
+    if args.json:
+        print(json.dumps({"artifact": str(artifact), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                          "rounds": args.rounds, "rows": rows}, indent=2))
+        return 0
+    print(f"{artifact.name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.rounds} rounds; "
+          f"speed-ups against one pool of {threads[0]} thread(s)")
+    print(f"{'configuration':<26} {'threads':>7} {'TPOT ms':>8} {'TTFT ms':>8} {'decode x':>9} {'prefill x':>10} "
+          f"{'threads held':>13}")
+    for row in rows:
+        print(f"{row['config']:<26} {row['threads']:>7} {row['tpot_ms']:>8.2f} {row['ttft_ms']:>8.0f} "
+              f"{row['decode_speedup']:>8.2f}x {row['prefill_speedup']:>9.2f}x {row['threads_held']:>13.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

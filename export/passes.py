@@ -1,0 +1,158 @@
+"""The lowering passes of the exported graphs, by the names `Target.passes` gives them (core/targets.py).
+
+A pass may act at three points of an export; each hook's default leaves the graph as traced:
+- `linear(in, out)`, `experts_block(config)`: the module a projection or the routed experts become, where
+  the traced modules are built (export/graph_modules.py);
+- `pieces(...)`: an initializer's bytes, when they are not a copy of checkpoint tensors, as the export
+  streams them;
+- `graph_files(directory, stem)`: files derived from a written graph, written beside it and listed in the
+  manifest with it.
+
+Passes:
+- int8_weights (cpu): the dense linears, the head and the routed experts as int8 blocks along the input
+  dim for ONNX Runtime's int8 kernels (plugins/int8.py), re-quantised from the checkpoint's FP8 / BF16 bytes.
+- tensorrt_plugins (tensorrt): the TensorRT copy of every graph, `<stem>.tensorrt.onnx`
+  (export/tensorrt_graph.py), which `k2deploy build-engines` parses.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.checkpoint.reader import Checkpoint
+from ..core.config import ModelConfig
+from ..core.manifest import file_record
+from ..core.targets import get_target
+from ..plugins import int8
+
+
+class Pass:
+    name = ""
+
+    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
+        return None
+
+    def experts_block(self, config: ModelConfig) -> int | None:
+        return None
+
+    def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None,
+               name: str) -> Iterable[np.ndarray] | None:
+        return None
+
+    def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
+        return {}
+
+
+# -- int8_weights ------------------------------------------------------------------------------------
+
+class Int8Linear(nn.Module):
+    """y = x W^T with W kept as int8 blocks along the input dim (see plugins/int8.py)."""
+
+    def __init__(self, in_features: int, out_features: int, block: int):
+        super().__init__()
+        self.register_buffer("weight_int8", torch.empty(out_features, in_features // block, block, dtype=torch.uint8))
+        self.register_buffer("weight_int8_scale", torch.empty(out_features, in_features // block))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.k2deploy.linear_int8(x, self.weight_int8, self.weight_int8_scale)
+
+
+ROWS_PER_PIECE = 1024  # rows re-quantised at a time: a real-size linear never sits in memory as float32
+
+
+class Int8Weights(Pass):
+    """Every linear whose input dim an int8 block divides, and the routed experts (fc1: gate and up rows
+    interleaved, fc2: down, for QMoE) where a block divides hidden and expert width."""
+
+    name = "int8_weights"
+
+    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
+        block = int8.int8_block(in_features)
+        return Int8Linear(in_features, out_features, block) if block else None
+
+    def experts_block(self, config: ModelConfig) -> int | None:
+        return int8.int8_block(config.hidden_size, config.moe_intermediate_size)
+
+    def pieces(self, config, checkpoint, kind, layer, name):
+        prefix = "" if kind == "head" else f"model.layers.{layer}."
+        if name.endswith((".weight_int8", ".weight_int8_scale")):
+            module, _, part = name.rpartition(".")
+            source = prefix + module + ".weight"
+            rows, cols = checkpoint.entries[source].shape
+            block = int8.int8_block(cols)
+            return (_int8_part(_float_rows(config, checkpoint, source, start, start + ROWS_PER_PIECE), block,
+                               part.endswith("scale"))
+                    for start in range(0, rows, ROWS_PER_PIECE))
+        if name.startswith("mlp.experts_fc"):
+            fc, part = name.removeprefix("mlp.experts_").split("_")
+            block = self.experts_block(config)
+            return (_int8_part(_expert_fc(config, checkpoint, f"{prefix}mlp.experts.{e}.", fc), block, part == "scale")
+                    for e in range(config.n_routed_experts))
+        return None
+
+
+def _int8_part(weight: np.ndarray, block: int, scales: bool) -> np.ndarray:
+    codes, block_scales = int8.quantize_rows(weight, block)
+    return block_scales if scales else codes
+
+
+def _float_rows(config: ModelConfig, checkpoint: Checkpoint, name: str, start: int, stop: int) -> np.ndarray:
+    """Rows start:stop of a checkpoint weight in float32 (FP8 dequantised with its block scales; BF16 widened)."""
+    raw = checkpoint.raw(name)[start:stop]
+    if raw.dtype.itemsize != 1:
+        return raw.astype(np.float32)
+    fp8 = config.fp8_block[0]
+    scale = checkpoint.raw(name + "_scale_inv")[start // fp8 : -(-stop // fp8)]
+    return int8.fp8_to_float(raw.view(np.uint8), scale, fp8)
+
+
+def _expert_fc(config: ModelConfig, checkpoint: Checkpoint, expert: str, fc: str) -> np.ndarray:
+    """fc1: gate and up rows interleaved [2f, m] (QMoE's fused SwiGLU layout); fc2: down [m, f]."""
+    whole = lambda proj: _float_rows(config, checkpoint, f"{expert}{proj}.weight", 0, 1 << 62)  # noqa: E731
+    if fc == "fc2":
+        return whole("down_proj")
+    gate, up = whole("gate_proj"), whole("up_proj")
+    return np.stack([gate, up], axis=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+# -- tensorrt_plugins --------------------------------------------------------------------------------
+
+class TensorrtPlugins(Pass):
+    """The TensorRT copy of each graph, beside it (it reads the same .data file)."""
+
+    name = "tensorrt_plugins"
+
+    def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
+        from .tensorrt_graph import write_copy
+
+        copy = write_copy(directory / f"{stem}.onnx")["path"]
+        return {copy.name: file_record(directory, copy.name)}
+
+
+PASSES = {p.name: p for p in (Int8Weights(), TensorrtPlugins())}
+
+
+class Lowering:
+    """A target's passes, in their order, asked as one: the first pass that lowers a module or gives an
+    initializer's bytes decides; every pass's graph files are written."""
+
+    def __init__(self, target: str):
+        self.passes = [PASSES[name] for name in get_target(target).passes]
+
+    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
+        return next((m for p in self.passes if (m := p.linear(in_features, out_features)) is not None), None)
+
+    def experts_block(self, config: ModelConfig) -> int | None:
+        return next((b for p in self.passes if (b := p.experts_block(config)) is not None), None)
+
+    def pieces(self, config, checkpoint, kind, layer, name) -> Iterable[np.ndarray] | None:
+        return next((x for p in self.passes if (x := p.pieces(config, checkpoint, kind, layer, name)) is not None),
+                    None)
+
+    def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
+        return {name: record for p in self.passes for name, record in p.graph_files(directory, stem).items()}
