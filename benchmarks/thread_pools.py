@@ -10,6 +10,11 @@ tokens, continuously, so a pool's threads stay as warm as in a server. Rounds go
 turn, so the machine's noise falls on each; the table gives medians over rounds of time per output token (decode),
 time to first token (prefill) and the most threads the process held.
 
+--idle-ms N sleeps N ms before each decode step (timed without the sleep): a server between requests, or a
+benchmark that runs other backends between this one's steps. A pool whose threads have gone to sleep pays for
+waking them in every parallel region of the next step; `decode_latency.py --threads 1,2`, which runs the other
+backends between steps, measures that case.
+
 ONNX Runtime's Python API sizes the global pool but does not expose its spinning (its threads spin briefly before
 they sleep, as a per-session pool's do by default); per-session pools take `session.intra_op.allow_spinning`.
 """
@@ -30,16 +35,18 @@ CONFIGS = {
 }
 DEFAULT_ARTIFACT = Path("/tmp/k2deploy-bench/artifacts/small-L4-e64-h8-seed0-cpu-int8")
 
-# One measurement in a fresh process: argv = artifact, config, threads, prompt_len, new_tokens -> one JSON line.
+# One measurement in a fresh process: argv = artifact, config, threads, prompt_len, new_tokens, idle_ms -> one JSON line.
 _CHILD = """
-import json, sys
+import json, statistics, sys, time
+import numpy as np
 import onnxruntime as ort
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime import ort_backend, thread_pool
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.sampling import SamplingParams
 
-artifact, config, threads, prompt_len, new_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+artifact, config = sys.argv[1], sys.argv[2]
+threads, prompt_len, new_tokens, idle_ms = (int(a) for a in sys.argv[3:7])
 if config != "one pool":  # the sessions get pools of their own instead of the process's one
     def per_session(threads_asked, share=1):
         options = ort.SessionOptions()
@@ -54,9 +61,23 @@ model = ort_backend.OrtModel(load_manifest(artifact), threads=threads)
 generator = Generator(model)
 prompt = [(i * 37) % 1000 + 3 for i in range(prompt_len)]
 generator.generate([prompt], SamplingParams(max_new_tokens=4))  # warm-up: arenas, kernels
-result = generator.generate([prompt], SamplingParams(max_new_tokens=new_tokens))[0]
+if idle_ms == 0:  # as generate runs: steps back to back
+    result = generator.generate([prompt], SamplingParams(max_new_tokens=new_tokens))[0]
+    tpot_ms, ttft_ms = result.tpot_ms, result.ttft_ms
+else:  # each decode step after idle_ms of sleep, timed alone
+    cache = model.new_cache(1, prompt_len + new_tokens)
+    started = time.perf_counter()
+    token = int(generator.prefill([prompt], cache)[0].argmax())
+    ttft_ms = (time.perf_counter() - started) * 1e3
+    steps = []
+    for _ in range(new_tokens - 1):
+        time.sleep(idle_ms / 1e3)
+        started = time.perf_counter()
+        token = int(generator.decode(np.array([token]), np.array([True]), cache)[0].argmax())
+        steps.append((time.perf_counter() - started) * 1e3)
+    tpot_ms = statistics.median(steps)
 held = int(open("/proc/self/status").read().split("Threads:")[1].split()[0])
-print(json.dumps({"tpot_ms": result.tpot_ms, "ttft_ms": result.ttft_ms, "threads_held": held}))
+print(json.dumps({"tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "threads_held": held}))
 """
 
 
@@ -70,9 +91,9 @@ def ensure_artifact(path: Path | None) -> Path:
     return DEFAULT_ARTIFACT
 
 
-def measure(artifact: Path, config: str, threads: int, prompt_len: int, new_tokens: int) -> dict:
+def measure(artifact: Path, config: str, threads: int, prompt_len: int, new_tokens: int, idle_ms: int) -> dict:
     out = subprocess.run([sys.executable, "-c", _CHILD, str(artifact), config, str(threads), str(prompt_len),
-                          str(new_tokens)], capture_output=True, text=True, check=True)
+                          str(new_tokens), str(idle_ms)], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -83,14 +104,22 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds over every configuration (default 3)")
     parser.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
     parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens (default 128)")
+    parser.add_argument("--idle-ms", type=int, default=0,
+                        help="sleep this long before each decode step (default 0: steps back to back, as generate)")
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"configurations, comma-separated (default: all: {', '.join(CONFIGS)})")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     artifact = ensure_artifact(args.artifact)
-    runs = {(c, t): [] for c in CONFIGS for t in threads}
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown or "one pool" not in configs:
+        parser.error(f"--configs: choose among {', '.join(CONFIGS)}, with 'one pool' (the speed-ups' base)")
+    runs = {(c, t): [] for c in configs for t in threads}
     for round_ in range(args.rounds):
         for key in runs:
-            runs[key].append(measure(artifact, *key, args.prompt_len, args.new_tokens))
+            runs[key].append(measure(artifact, *key, args.prompt_len, args.new_tokens, args.idle_ms))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     rows = [{"config": c, "threads": t, **{k: statistics.median(r[k] for r in runs[(c, t)])
                                            for k in ("tpot_ms", "ttft_ms", "threads_held")}}
@@ -102,9 +131,10 @@ def main(argv=None) -> int:
         row["prefill_speedup"] = base["ttft_ms"] / row["ttft_ms"]
     if args.json:
         print(json.dumps({"artifact": str(artifact), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                          "rounds": args.rounds, "rows": rows}, indent=2))
+                          "idle_ms": args.idle_ms, "rounds": args.rounds, "rows": rows}, indent=2))
         return 0
-    print(f"{artifact.name}: prompt {args.prompt_len}, {args.new_tokens} new tokens, median of {args.rounds} rounds; "
+    idle = f", {args.idle_ms} ms idle before each decode step" if args.idle_ms else ""
+    print(f"{artifact.name}: prompt {args.prompt_len}, {args.new_tokens} new tokens{idle}, median of {args.rounds} rounds; "
           f"speed-ups against one pool of {threads[0]} thread(s)")
     print(f"{'configuration':<26} {'threads':>7} {'TPOT ms':>8} {'TTFT ms':>8} {'decode x':>9} {'prefill x':>10} "
           f"{'threads held':>13}")
