@@ -14,14 +14,31 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from .config import ModelConfig
 from .errors import K2Error
 
-# format -> ONNX element type of the latent (its bits are stored as uint8 / uint16 on the host)
-LATENT_TYPES = {"fp8": "FLOAT8E4M3FN", "int8": "UINT8", "bf16": "BFLOAT16"}
-NAMES = tuple(LATENT_TYPES)
-INT8_ZERO_POINT = 128
+@dataclass(frozen=True)
+class LatentCoding:
+    """How a format stores the latent: everything the exporter's quantisation and the runtimes need of it."""
+
+    onnx_type: str  # the graphs' element type of the latent (its bits are stored as uint8 / uint16 on the host)
+    group: Callable[[int], int | None]  # latent width c -> latent values per float32 scale; None: unscaled
+    largest: float | None = None  # scaled formats: the largest code, absmax / largest being the scale
+    zero_point: int | None = None  # integer codes: rounded, each code q stored as the byte q + zero_point
+
+
+# One entry per cache format: a new format is its entry here (and the targets that offer it, core/targets.py,
+# and the attention op that reads it, plugins/mla.py CACHE_ATTENTION).
+CODINGS = {
+    "fp8": LatentCoding("FLOAT8E4M3FN", lambda c: math.gcd(c, 128), largest=448.0),
+    "int8": LatentCoding("UINT8", lambda c: c, largest=127.0, zero_point=128),
+    "bf16": LatentCoding("BFLOAT16", lambda c: None),
+}
+LATENT_TYPES = {name: coding.onnx_type for name, coding in CODINGS.items()}
+NAMES = tuple(CODINGS)
+INT8_ZERO_POINT = CODINGS["int8"].zero_point
 
 
 @dataclass(frozen=True)
@@ -70,7 +87,7 @@ class CacheFormat:
         if name not in LATENT_TYPES:
             raise K2Error(f"unknown latent cache format {name!r}; choose one of {', '.join(NAMES)}")
         c = config.kv_lora_rank
-        group = {"fp8": math.gcd(c, 128), "int8": c, "bf16": None}[name]
+        group = CODINGS[name].group(c)
         return cls(name, c, config.qk_rope_head_dim, group)
 
     @classmethod
@@ -85,6 +102,10 @@ class CacheFormat:
                           f"{fmt.scale_group} ({fmt.latent_dim} latent values); the manifest was edited or mixes "
                           f"artifacts, re-export it")
         return fmt
+
+    @property
+    def coding(self) -> LatentCoding:
+        return CODINGS[self.name]
 
     @property
     def scaled(self) -> bool:
@@ -117,7 +138,7 @@ class CacheFormat:
             "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]"
                       + (", latent_scale [t, b, c / group]" if self.scaled else ""),
             "latent_dtype": self.latent_type,
-            "latent_zero_point": INT8_ZERO_POINT if self.name == "int8" else None,
+            "latent_zero_point": self.coding.zero_point,
             "latent_scale_group": self.scale_group,
             "latent_scale_dtype": "FLOAT" if self.scaled else None,
             "rope_dtype": "FLOAT16",

@@ -21,7 +21,6 @@ The cache is time-major so that the first t positions of every row are one conti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cache_format import CacheFormat
+from ..core.cache_format import CODINGS, CacheFormat
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..plugins import mla
@@ -65,16 +64,9 @@ def lowered_linear(lowering: Lowering, fp8_block: int):
 
 # -- the latent cache as stored ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Storage:
-    dtype: torch.dtype  # of the stored latent
-    largest: float | None = None  # scaled formats: the largest code, absmax / largest being the scale
-    zero: int | None = None  # integer codes: rounded, each code q stored as q + zero
-
-
-STORAGE = {"fp8": Storage(torch.float8_e4m3fn, 448.0), "int8": Storage(torch.uint8, 127.0, mla.CODE_ZERO),
-           "bf16": Storage(torch.bfloat16)}
-CACHE_TORCH_DTYPES = {name: storage.dtype for name, storage in STORAGE.items()}
+# the stored latent's torch dtype, by the graphs' element type (core/cache_format.py CODINGS)
+TORCH_TYPES = {"FLOAT8E4M3FN": torch.float8_e4m3fn, "UINT8": torch.uint8, "BFLOAT16": torch.bfloat16}
+CACHE_TORCH_DTYPES = {name: TORCH_TYPES[coding.onnx_type] for name, coding in CODINGS.items()}
 
 
 class StoredPast(NamedTuple):
@@ -212,7 +204,6 @@ class ExportLayer(model.Block):
             raise ValueError("export needs an FP8 checkpoint (quantization_config with weight_block_size)")
         super().__init__(config, layer, export_faces(config, cache_format, target))
         self.config, self.cache = config, CacheFormat.for_config(config, cache_format)
-        self.storage = STORAGE[cache_format]
 
     def forward(self, hidden, positions, past_latent, past_rope, past_latent_scale=None):
         """hidden [b, s, m] float32, positions [b, s] int64 (row i's cache holds positions[i, 0] tokens),
@@ -232,16 +223,16 @@ class ExportLayer(model.Block):
         """new_latent [b, s, c], new_rope [b, s, r] float32 -> the entries as stored: latent [b, s, c], rope
         [b, s, r] float16 and, for a scaled format, latent_scale [b, s, c / group]."""
         new_rope = new_rope.to(torch.float16)
-        storage = self.storage
-        if storage.largest is None:
-            return new_latent.to(storage.dtype), new_rope
+        coding, dtype = self.cache.coding, CACHE_TORCH_DTYPES[self.cache.name]
+        if coding.largest is None:
+            return new_latent.to(dtype), new_rope
         b, s, c = new_latent.shape
         grouped = new_latent.view(b, s, -1, self.cache.scale_group)
-        scale = (grouped.abs().amax(dim=-1, keepdim=True) / storage.largest).clamp(min=1e-12)
+        scale = (grouped.abs().amax(dim=-1, keepdim=True) / coding.largest).clamp(min=1e-12)
         codes = grouped / scale
-        if storage.zero is not None:
-            codes = codes.round().clamp(-storage.largest, storage.largest) + storage.zero
-        return codes.to(storage.dtype).view(b, s, c), new_rope, scale.squeeze(-1)
+        if coding.zero_point is not None:
+            codes = codes.round().clamp(-coding.largest, coding.largest) + coding.zero_point
+        return codes.to(dtype).view(b, s, c), new_rope, scale.squeeze(-1)
 
     def derived_initializers(self) -> dict[str, np.ndarray]:
         """Initializers that are not checkpoint tensors: the rope frequencies."""
