@@ -66,8 +66,7 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
         threads=args.threads, baseline=args.baseline,
         repeats=args.repeats, warmup=args.warmup, seed=args.seed,
         bandwidth_bytes=args.bandwidth_mib << 20 if args.bandwidth_mib else DEFAULT_BYTES,
-        verify_hashes=not args.no_verify, command=" ".join(["k2deploy", "bench", *sys.argv[2:]]) if args.command_line is None
-        else args.command_line)
+        verify_hashes=not args.no_verify, command=" ".join(["k2deploy", "bench", *sys.argv[2:]]))
     with tqdm(unit="run", desc="bench", disable=args.json or None, file=sys.stderr) as bar:
         doc = run_bench(options, bar=bar, log=lambda message: bar.set_description_str(message))
     paths = write_result(doc, args.out or "artifacts/bench")
@@ -121,5 +120,5 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                     "compare: where compare.md and compare.png go (default: the first DIR)")
     both.add_argument("--markdown", action="store_true", help="print the table as markdown")
     both.add_argument("--json", action="store_true", help="print the result as JSON")
-    bench.set_defaults(func=cmd_bench, command_line=None)
+    bench.set_defaults(func=cmd_bench)
     return bench
