@@ -124,13 +124,13 @@ class _Ours:
     """The artifact through k2deploy.runtime, run the way `generate` runs it."""
 
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
-                 placement: str | None = None, ray: str | None = None, cache_shape: tuple[int, int] | None = None):
+                 placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None):
         from ..runtime.backends import load_backend
 
         rss = current_rss_bytes()
         started = time.perf_counter()
         self.model = load_backend(backend, manifest, provider=provider, threads=threads, placement=placement, ray=ray,
-                                  cache_shape=cache_shape)
+                                  cache_tokens=cache_tokens)
         self.load_seconds = time.perf_counter() - started
         self.weights_rss_bytes = (current_rss_bytes() - rss) if rss is not None else None
         self.vocab = self.model.config.vocab_size
@@ -260,7 +260,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
         ours = _Ours(manifest, options.provider, options.threads, options.backend, options.placement, options.ray,
-                     (max(options.batches), max(options.prompt_lens) + options.gen_len))
+                     max(options.batches) * (max(options.prompt_lens) + options.gen_len))
         record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
         device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
                                  gpu_name=record["gpu"]["name"] if record else None)

@@ -140,7 +140,7 @@ def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
 
     return Generator(load_backend(args.backend, manifest or load_manifest(args.artifact), provider=args.provider,
                                   threads=args.threads, placement=args.placement, ray=args.ray,
-                                  cache_shape=(1, positions)))
+                                  cache_tokens=positions))
 
 
 def _prompt_ids(text: str) -> list[int]:

@@ -13,10 +13,11 @@ import socket
 import sys
 from pathlib import Path
 
+from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
 from .runtime_options import add_runtime_options
 
-DEFAULT_MAX_CONTEXT = 4096
+MAX_BATCH = 4096  # requests running at once, at most (each is a row of every forward)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 API_KEY_VARIABLE = "K2DEPLOY_API_KEY"
@@ -30,13 +31,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
     parser.add_argument("--max-batch", type=int, default=8,
-                        help="requests decoded together; each holds one cache slot of --max-context positions "
-                             "(default: 8)")
+                        help="requests running at once (each holds pages of the cache's pool as it grows; "
+                             "default: 8)")
     parser.add_argument("--max-queue", type=int, default=64,
-                        help="requests that may wait for a slot; beyond that: 429 with Retry-After (default: 64)")
-    parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
-                        help="positions per slot (prompt plus completion), capped by the model's context; the cache "
-                             f"is allocated once for max-batch x max-context tokens (default: {DEFAULT_MAX_CONTEXT})")
+                        help="requests that may wait for a slot or for pages; beyond that: 503 with Retry-After "
+                             "(default: 64)")
+    parser.add_argument("--max-context", type=int,
+                        help="positions one request may reach (prompt plus completion); reserves nothing (default "
+                             "and most: the model's max_position_embeddings)")
+    parser.add_argument("--max-total-tokens", type=int,
+                        help="the cache's page pool, in tokens, shared by all requests: allocated once at start "
+                             f"(default: half the memory available after the weights, at most max-batch x "
+                             f"max-context; the start line says how much)")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="do not reuse the cached pages of a prompt's prefix that an earlier request computed "
+                             "(default: reuse them)")
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (visible to "
                                            f"other users in `ps`: prefer --api-key-file or ${API_KEY_VARIABLE})")
     parser.add_argument("--api-key-file", help="read the API key from this file's first line")
@@ -62,9 +71,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    for name in ("max_batch", "max_context"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch", "max_context", "max_total_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise K2Error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.max_batch > MAX_BATCH:
+        raise K2Error(f"--max-batch {args.max_batch} is more than this server runs at once ({MAX_BATCH}); ask for "
+                      f"fewer and let --max-queue hold the rest")
     if args.max_queue < 0:
         raise K2Error(f"--max-queue must be at least 0, got {args.max_queue}")
     if not 0 <= args.port <= 65535:
@@ -89,17 +101,30 @@ def cmd_serve(args: argparse.Namespace) -> None:
     artifact = Path(args.artifact)
     manifest = load_manifest(artifact)
     tokenizer = load_tokenizer(artifact / "tokenizer", manifest.config.vocab_size)  # None: token-id prompts only
+    model_context = manifest.config.max_position_embeddings
+    if args.max_context is not None and args.max_context > model_context:
+        raise K2Error(f"--max-context {args.max_context} is past the model's {model_context} positions; give at most "
+                      f"{model_context}")
+    context = args.max_context or model_context
+    token_bytes = CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer * manifest.config.num_hidden_layers
     model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads, placement=args.placement,
-                         ray=args.ray, cache_shape=(args.max_batch, min(args.max_context,
-                                                                        manifest.config.max_position_embeddings)))
+                         ray=args.ray, cache_tokens=args.max_total_tokens or args.max_batch * context)
+    pool_tokens = args.max_total_tokens or default_pool_tokens(token_bytes, args.max_batch * context)
+    if pool_tokens * token_bytes > available_memory():
+        raise K2Error(f"--max-total-tokens {pool_tokens} needs {pool_tokens * token_bytes / 2**30:.1f} GiB of cache, "
+                      f"this host has {available_memory() / 2**30:.1f} GiB available; ask for "
+                      f"{available_memory() // token_bytes} tokens or fewer")
     metrics = ServerMetrics()
-    engine = Engine(model, args.max_batch, args.max_context, args.max_queue, metrics)
+    engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache)
     model_name = args.model_name or artifact.resolve().name
     app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes)
     listener = _bind(args.host, args.port)
     host, port = listener.getsockname()[:2]
+    pool = engine.cache.pool
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
-          f"context {engine.context}, cache {engine.cache.nbytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, "
+          f"context {engine.context}, cache pool {pool.pages * pool.page_size} tokens in {pool.pages} pages of "
+          f"{pool.page_size}, {pool_tokens * token_bytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, prefix cache "
+          f"{'on' if pool.prefix_cache else 'off'}, "
           f"{args.provider if args.backend == 'onnxruntime' else args.backend}"
           + (f", {model.threads} threads" if model.threads else "") + ")"
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
@@ -108,6 +133,23 @@ def cmd_serve(args: argparse.Namespace) -> None:
     server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
                                              timeout_graceful_shutdown=args.drain_timeout))
     server.run(sockets=[listener])
+
+
+def available_memory() -> int:
+    """Bytes of memory this host can still give (MemAvailable; physical memory where /proc/meminfo is absent)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_pool_tokens(token_bytes: int, most: int) -> int:
+    """The cache pool when --max-total-tokens is not given: half the memory available now (the weights are
+    loaded), at most `most` tokens (every slot at full context), at least one page."""
+    return max(PAGE_SIZE, min(most, available_memory() // 2 // token_bytes))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

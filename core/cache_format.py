@@ -8,6 +8,13 @@ fp8:  c_kv as e4m3 bytes with one float32 scale per group of 128 values (or of g
 int8: c_kv as int8 codes stored as code + 128 (uint8) with one float32 scale per token (the cpu
       target's cache: attention applies the scale to scores, not to the cache) -> 644 bytes.
 bf16: c_kv bfloat16, k_pe float16 -> 1152 bytes.
+
+Paged: every array is a pool of pages of PAGE_SIZE tokens per layer, [pages, PAGE_SIZE, width]; a request holds
+a page table (its pages in position order) and a layer graph gathers its rows' pages itself, from the pool
+it is given whole (`page_table` [b, n] -> past [n * PAGE_SIZE, b, width], the positions past each row's
+length masked). 64 tokens: a full page is the unit of prefix reuse (a request reuses whole pages, so at
+most 63 tokens of a shared prefix are prefilled again), and 64 x 644 bytes = 41 KB per page and layer at
+Kimi K2's int8 cache is one large contiguous read per page for the gather.
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from typing import Callable
 
 from .config import ModelConfig
 from .errors import K2Error
+
+PAGE_SIZE = 64  # tokens per page of the latent cache's pools (see the module doc)
 
 @dataclass(frozen=True)
 class LatentCoding:
@@ -58,16 +67,26 @@ ELEMENT_TYPES = {"FLOAT": ElementType(1, "float32", 4), "UINT8": ElementType(2, 
 
 @dataclass(frozen=True)
 class CacheArray:
-    """One array a cache keeps per layer and token: a layer graph reads the past as past_<name> [t, b, width]
-    (time-major) and writes its new entries as new_<name> [b, s, width]."""
+    """One array a cache keeps per layer and token: a layer graph takes the pool as <name>_pages [pages, PAGE_SIZE,
+    width] and writes its new entries as new_<name> [b, s, width]."""
 
     name: str  # latent, rope or latent_scale
     width: int  # values per token
-    onnx_type: str  # the graphs' element type, a key of ELEMENT_TYPES
+    onnx_type: str  # the graphs' element type of the new entries, a key of ELEMENT_TYPES
 
     @property
     def element(self) -> ElementType:
         return ELEMENT_TYPES[self.onnx_type]
+
+    @property
+    def pages_type(self) -> str:
+        """The element type of the pool a graph takes: e4m3 as its bits (UINT8), since ONNX gathers no e4m3; the
+        graph widens the gathered bits through a 256-entry table."""
+        return "UINT8" if self.onnx_type == "FLOAT8E4M3FN" else self.onnx_type
+
+    @property
+    def pages_element(self) -> ElementType:
+        return ELEMENT_TYPES[self.pages_type]
 
     @property
     def token_bytes(self) -> int:
@@ -101,6 +120,9 @@ class CacheFormat:
             raise K2Error(f"the manifest's kv_cache format {name!r} does not go with its latent_scale_group "
                           f"{fmt.scale_group} ({fmt.latent_dim} latent values); the manifest was edited or mixes "
                           f"artifacts, re-export it")
+        if kv.get("page_size") != PAGE_SIZE:
+            raise K2Error(f"the artifact's latent cache is not paged in pages of {PAGE_SIZE} tokens (manifest page_size "
+                          f"{kv.get('page_size')!r}): it was exported by another version of k2deploy; re-export it")
         return fmt
 
     @property
@@ -135,8 +157,9 @@ class CacheFormat:
         """The manifest's kv_cache entry."""
         return {
             "format": self.name,
-            "layout": "per layer, time-major: latent [t, b, c], rope [t, b, r]"
-                      + (", latent_scale [t, b, c / group]" if self.scaled else ""),
+            "layout": "per layer, paged: page_table [b, n] into latent_pages [pages, page_size, c], rope_pages "
+                      "[pages, page_size, r]" + (", latent_scale_pages [pages, page_size, c / group]" if self.scaled else ""),
+            "page_size": PAGE_SIZE,
             "latent_dtype": self.latent_type,
             "latent_zero_point": self.coding.zero_point,
             "latent_scale_group": self.scale_group,

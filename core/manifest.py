@@ -19,7 +19,7 @@ from .errors import K2Error
 from .json_files import check_version, read_document
 
 FORMAT = "k2deploy-artifact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the latent cache is paged (page_table and <array>_pages inputs)
 MANIFEST_FILE = "manifest.json"
 HASH_CHUNK = 8 << 20
 

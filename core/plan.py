@@ -10,9 +10,10 @@ Per device (one pipeline stage):
                intermediate of the model), plus batch x vocab float32 logits on the last stage. The widest
                intermediate is the largest of: gate and up of the dense MLP (2 x intermediate_size), gate and up
                of the chosen and shared experts (2 x moe_intermediate_size x (top-k + shared)), and the query
-               latents of absorbed attention (heads x max(kv_lora_rank, qk_head_dim)). Attention scores of a chunk
-               over the whole context (batch x heads x chunk x context float32: 17 GB per sequence at Kimi K2's
-               131072 tokens) are not counted: a runtime this plan fits computes attention in tiles.
+               latents of absorbed attention (heads x max(kv_lora_rank, qk_head_dim)); plus the attention's
+               workspace: the runtime shrinks a prefill chunk as the context grows so that its float32 scores
+               [rows, chunk x heads, keys] stay within sizes.ATTENTION_SCORES_BYTES, of which the attention holds
+               sizes.LIVE_SCORE_TENSORS at once, whatever the context.
   capacity     USABLE_FRACTION of the device's memory (placement.USABLE_FRACTION)
 
 Decode, bounded by memory bandwidth (core/bound.py's bytes per step, split by stage): one step of `batch`
@@ -35,7 +36,7 @@ from .cache_format import CacheFormat
 from .checkpoint import layout
 from .config import ModelConfig
 from .errors import K2Error
-from .sizes import PREFILL_CHUNK
+from .sizes import PREFILL_CHUNK, attention_workspace_bytes
 from .placement import (USABLE_FRACTION, DeviceKind, Stage, auto_placement, check_fits, devices_needed,
                         format_bytes, format_placement, parse_devices, parse_placement)
 
@@ -57,7 +58,7 @@ def widest_intermediate(config: ModelConfig) -> int:
 def activation_bytes(config: ModelConfig, batch: int, last: bool) -> int:
     """The activation estimate of one stage (see the module doc); the last stage also holds the logits."""
     hidden = batch * PREFILL_CHUNK * FLOAT32 * (LIVE_HIDDEN_BUFFERS * config.hidden_size + widest_intermediate(config))
-    return hidden + (batch * config.vocab_size * FLOAT32 if last else 0)
+    return hidden + attention_workspace_bytes() + (batch * config.vocab_size * FLOAT32 if last else 0)
 
 
 def _tensors_bytes(specs: list[layout.TensorSpec]) -> int:
@@ -180,6 +181,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
         "context": context,
         "kv_cache": {"format": cache_format, "bytes_per_token_per_layer": footprint.cache_per_token},
         "activation_estimate": {"prefill_chunk": PREFILL_CHUNK, "live_hidden_buffers": LIVE_HIDDEN_BUFFERS,
+                                "attention_workspace_bytes": attention_workspace_bytes(),
                                 "widest_intermediate": widest_intermediate(config), "logits_bytes": footprint.logits},
         "placement": {"text": format_placement(stages),
                       "stages": [{"layers": [s.start, s.stop], "device": s.device, "host": s.host,

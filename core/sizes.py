@@ -14,6 +14,26 @@ from .config import ModelConfig
 # prompt tokens per sequence in one step: the runtime's prefill chunk (it bounds how long one step holds the
 # decoding sequences back), and the activations a plan sizes for
 PREFILL_CHUNK = 512
+MIN_PREFILL_CHUNK = 64  # fewer rows prefill together rather than each with a chunk smaller than this
+# the largest float32 attention scores [rows, s * heads, keys] one prefill forward may make: the chunk shrinks as
+# the context grows, so that a prefill's transient memory stays flat however long the prompt (the attention
+# holds a few tensors of this size at once)
+ATTENTION_SCORES_BYTES = 32 << 20
+LIVE_SCORE_TENSORS = 4  # score-sized tensors the attention holds at once (scores, masked, probabilities, quantised)
+
+
+def attention_workspace_bytes() -> int:
+    """The attention's transient memory in one forward, whatever the context: what `plan` counts."""
+    return LIVE_SCORE_TENSORS * ATTENTION_SCORES_BYTES
+
+
+def prefill_chunk(rows: int, heads: int, past: int, budget: int = ATTENTION_SCORES_BYTES) -> int:
+    """Prompt tokens per row in one prefill forward of `rows` rows after `past` cached positions: PREFILL_CHUNK,
+    halved until the scores [rows, s * heads, past + s] float32 fit `budget` bytes (at least 1)."""
+    size = PREFILL_CHUNK
+    while size > 1 and rows * size * heads * (past + size) * 4 > budget:
+        size //= 2
+    return size
 
 
 @dataclass(frozen=True)

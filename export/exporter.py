@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..core.cache_format import NAMES as CACHE_NAMES
-from ..core.cache_format import CacheFormat
+from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..core.errors import K2Error
@@ -83,8 +83,9 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, ta
     """Traces one graph structure on the meta device: -> (ir.Model, derived initializers)."""
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=1, max=config.max_position_embeddings)
-    past = torch.export.Dim("past", min=0, max=config.max_position_embeddings)
-    b, s, t = 2, 3, 5  # distinct example sizes, so that no dimension is specialised
+    table = torch.export.Dim("table", min=0, max=-(-config.max_position_embeddings // PAGE_SIZE))
+    pages = torch.export.Dim("pages", min=1, max=1 << 40)
+    b, s, n, pages_example = 2, 3, 5, 7  # distinct example sizes, so that no dimension is specialised
     with torch.device("meta"):
         if kind == "embed":
             module = gm.ExportEmbedding(config)
@@ -98,17 +99,16 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, ta
             return traced, {}
         layer = config.first_k_dense_replace if kind == "moe" else 0
         module = gm.ExportLayer(config, layer, cache_format, target).eval()
-    args = [_meta((b, s, config.hidden_size)), _meta((b, s), torch.int64),
-            _meta((t, b, config.kv_lora_rank), gm.CACHE_TORCH_DTYPES[cache_format]),
-            _meta((t, b, config.qk_rope_head_dim), torch.float16)]
-    names = ["hidden", "positions", "past_latent", "past_rope"]
-    outputs = ["hidden_out", "new_latent", "new_rope"]
-    if CacheFormat.for_config(config, cache_format).scaled:
-        args.append(_meta((t, b, CacheFormat.for_config(config, cache_format).scales_per_token)))
-        names.append("past_latent_scale")
-        outputs.append("new_latent_scale")
-    dims = {"hidden": {0: batch, 1: seq}, "positions": {0: batch, 1: seq}, "past_latent": {0: past, 1: batch},
-            "past_rope": {0: past, 1: batch}, "past_latent_scale": {0: past, 1: batch}}
+    fmt = CacheFormat.for_config(config, cache_format)
+    args = [_meta((b, s, config.hidden_size)), _meta((b, s), torch.int64), _meta((b, n), torch.int64)]
+    names = ["hidden", "positions", "page_table"]
+    outputs = ["hidden_out"]
+    for array in fmt.arrays:
+        args.append(_meta((pages_example, PAGE_SIZE, array.width), gm.pages_dtype(cache_format, array)))
+        names.append(f"{array.name}_pages")
+        outputs.append(f"new_{array.name}")
+    dims = {"hidden": {0: batch, 1: seq}, "positions": {0: batch, 1: seq}, "page_table": {0: batch, 1: table},
+            **{f"{array.name}_pages": {0: pages} for array in fmt.arrays}}
     traced = trace(module, tuple(args), {n: dims[n] for n in names}, names, outputs, opset)
     return traced, module.derived_initializers()
 

@@ -8,15 +8,16 @@ copy of checkpoint tensors; `initializer_sources` names those tensors. They are 
 The decoder layer is the reference's `model.Block`, built from the faces of the target and the cache
 format: the target's passes (export/passes.py) choose its linears and routed experts, and the cache
 format chooses the attention op (plugins/mla.py `CACHE_ATTENTION`) and the form of kv_b_proj it reads.
-`ExportLayer` adds only the cache I/O: the past entries taken in their stored format and the new ones
-quantised into it:
+`ExportLayer` adds only the cache I/O: the past entries gathered from the layer's pages in their stored format
+(`page_table` [b, n] page ids into `<array>_pages` [pages, PAGE_SIZE, width], core/cache_format.py) and the
+new ones quantised into it:
 - fp8:  latent [t, b, c] e4m3 with one float32 scale per group of 128 values [t, b, c/128],
         rope [t, b, r] float16: 512 + 16 + 128 = 656 bytes per token per layer on Kimi K2.
 - int8: the latent as int8 codes with one float32 scale per token (absmax / 127), each code q stored
         as the byte q + 128 [t, b, c] uint8: the cpu target's cache, which attention multiplies in
         integer arithmetic as it is stored (plugins/mla.py); 512 + 4 + 128 = 644 bytes on Kimi K2.
 - bf16: latent [t, b, c] bfloat16, rope [t, b, r] float16 (1152 bytes on Kimi K2).
-The cache is time-major so that the first t positions of every row are one contiguous block.
+The gathered past is time-major, [n * PAGE_SIZE, b, width], as the attention ops take it.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..core.cache_format import CODINGS, CacheFormat
+from ..core.cache_format import CODINGS, CacheArray, CacheFormat
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..plugins import mla
-from ..plugins.fp8 import dequantize
+from ..plugins.fp8 import E4M3_VALUES, dequantize
 from . import model
 from .passes import Lowering
 from .rope import inverse_frequencies
@@ -67,20 +68,31 @@ def lowered_linear(lowering: Lowering, fp8_block: int):
 # the stored latent's torch dtype, by the graphs' element type (core/cache_format.py CODINGS)
 TORCH_TYPES = {"FLOAT8E4M3FN": torch.float8_e4m3fn, "UINT8": torch.uint8, "BFLOAT16": torch.bfloat16}
 CACHE_TORCH_DTYPES = {name: TORCH_TYPES[coding.onnx_type] for name, coding in CODINGS.items()}
+# the latent pool's torch dtype: e4m3 as its bits, since ONNX gathers no e4m3 (core/cache_format.py pages_type)
+PAGES_TORCH_DTYPES = {name: torch.uint8 if dtype == torch.float8_e4m3fn else dtype
+                      for name, dtype in CACHE_TORCH_DTYPES.items()}
+
+
+def pages_dtype(cache_format: str, array: CacheArray) -> torch.dtype:
+    """The torch dtype of one array's pool [pages, PAGE_SIZE, width] as the layer graph takes it."""
+    if array.name == "latent":
+        return PAGES_TORCH_DTYPES[cache_format]
+    return {"FLOAT16": torch.float16, "FLOAT": torch.float32}[array.onnx_type]
 
 
 class StoredPast(NamedTuple):
     """The cache's first t entries as the layer graph takes them (see the module doc)."""
 
-    latent: torch.Tensor  # [t, b, c] in the stored format
+    latent: torch.Tensor  # [t, b, c] in the stored format (e4m3 as its bits, uint8)
     rope: torch.Tensor  # [t, b, r] float16
     scale: torch.Tensor | None  # [t, b, c / group] float32; None when unscaled
     group: int | None  # latent values per scale
+    e4m3_values: torch.Tensor | None  # [256] float32, the value of each e4m3 bit pattern; None unless fp8
 
     def widened(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> latent [b, t, c], rope [b, t, r] float32 (FP8 codes times their group's scale)."""
         t, b, c = self.latent.shape
-        latent = self.latent.float()
+        latent = self.latent.float() if self.e4m3_values is None else self.e4m3_values[self.latent.long()]
         if self.scale is not None:
             latent = (latent.view(t, b, -1, self.group) * self.scale.unsqueeze(-1)).view(t, b, c)
         return latent.transpose(0, 1), self.rope.float().transpose(0, 1)
@@ -204,18 +216,30 @@ class ExportLayer(model.Block):
             raise ValueError("export needs an FP8 checkpoint (quantization_config with weight_block_size)")
         super().__init__(config, layer, export_faces(config, cache_format, target))
         self.config, self.cache = config, CacheFormat.for_config(config, cache_format)
+        if CACHE_TORCH_DTYPES[cache_format] == torch.float8_e4m3fn:
+            self.register_buffer("e4m3_values", torch.empty(256))
+        else:
+            self.e4m3_values = None
 
-    def forward(self, hidden, positions, past_latent, past_rope, past_latent_scale=None):
-        """hidden [b, s, m] float32, positions [b, s] int64 (row i's cache holds positions[i, 0] tokens),
-        past_* the first t cache slots (see the module doc) -> hidden [b, s, m] and the s new cache entries
-        in the cache's format: latent [b, s, c], rope [b, s, r], and for fp8 / int8 latent_scale [b, s, c/128]."""
+    def forward(self, hidden, positions, page_table, latent_pages, rope_pages, latent_scale_pages=None):
+        """hidden [b, s, m] float32, positions [b, s] int64 (row i holds positions[i, 0] tokens), page_table [b, n]
+        int64 (row i's pages in position order, enough for its past; the rest any page), <array>_pages the layer's
+        pools [pages, PAGE_SIZE, width] (see the module doc) -> hidden [b, s, m] and the s new cache entries in
+        the cache's format: latent [b, s, c], rope [b, s, r], and for fp8 / int8 latent_scale [b, s, c/128]."""
         b, s, _ = hidden.shape
+
+        def gathered(pages: torch.Tensor) -> torch.Tensor:  # [pages, P, w] -> [n * P, b, w]
+            rows = torch.index_select(pages, 0, page_table.reshape(-1))  # [b * n, P, w]
+            return rows.reshape(b, -1, pages.shape[-1]).transpose(0, 1)
+
+        past_latent = gathered(latent_pages)
         t = past_latent.shape[0]
         cached = torch.arange(t, device=positions.device)[None, None, :] < positions[:, :1, None]  # [b, 1, t]
         step = torch.arange(s, device=positions.device)
         causal = step[None, :, None] >= step[None, None, :]  # [1, s, s]
         mask = torch.cat([cached.expand(b, s, t), causal.expand(b, s, s)], dim=-1)  # [b, s, t + s]
-        past = StoredPast(past_latent, past_rope, past_latent_scale, self.cache.scale_group)
+        scale = gathered(latent_scale_pages) if latent_scale_pages is not None else None
+        past = StoredPast(past_latent, gathered(rope_pages), scale, self.cache.scale_group, self.e4m3_values)
         hidden, new_latent, new_rope = super().forward(hidden, positions, past, mask)
         return hidden, *self.store(new_latent, new_rope)
 
@@ -235,8 +259,11 @@ class ExportLayer(model.Block):
         return codes.to(dtype).view(b, s, c), new_rope, scale.squeeze(-1)
 
     def derived_initializers(self) -> dict[str, np.ndarray]:
-        """Initializers that are not checkpoint tensors: the rope frequencies."""
-        return {"self_attn.rotary.frequencies": inverse_frequencies(self.config)[0].numpy()}
+        """Initializers that are not checkpoint tensors: the rope frequencies (and the e4m3 values)."""
+        derived = {"self_attn.rotary.frequencies": inverse_frequencies(self.config)[0].numpy()}
+        if self.e4m3_values is not None:
+            derived["e4m3_values"] = E4M3_VALUES
+        return derived
 
 
 class ExportEmbedding(nn.Module):

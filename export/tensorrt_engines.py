@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..core.cache_format import PAGE_SIZE
 from ..core.errors import K2Error
 from ..core.manifest import load_manifest, sha256_file
 from ..runtime.tensorrt.environment import detect_gpu, parse_gpu_option, require_tensorrt
@@ -27,10 +28,15 @@ PROFILES = ("prefill", "decode")  # optimisation profile 0 and 1 of every engine
 
 
 def profile_shapes(shape: list, profile: str, max_batch: int, max_seq: int) -> tuple[tuple, tuple, tuple]:
-    """(min, opt, max) of one input whose manifest shape names its dynamic dims batch, seq and past."""
+    """(min, opt, max) of one input whose manifest shape names its dynamic dims batch, seq, table (pages per row)
+    and pages (the cache's pool: at most max_batch rows of max_seq positions)."""
+    table = -(-max_seq // PAGE_SIZE)
+    pages = (1, max_batch * table, max_batch * table)
     ranges = {
-        "prefill": {"batch": (1, 1, max_batch), "seq": (1, min(128, max_seq), max_seq), "past": (0, 0, max_seq)},
-        "decode": {"batch": (1, max_batch, max_batch), "seq": (1, 1, 1), "past": (0, max_seq // 2, max_seq)},
+        "prefill": {"batch": (1, 1, max_batch), "seq": (1, min(128, max_seq), max_seq), "table": (0, 0, table),
+                    "pages": pages},
+        "decode": {"batch": (1, max_batch, max_batch), "seq": (1, 1, 1), "table": (0, table // 2, table),
+                   "pages": pages},
     }[profile]
     dims = []
     for dim in shape:
@@ -39,7 +45,7 @@ def profile_shapes(shape: list, profile: str, max_batch: int, max_seq: int) -> t
         elif dim in ranges:
             dims.append(ranges[dim])
         else:
-            raise K2Error(f"input dimension {dim!r} has no optimisation-profile range (known: batch, seq, past)")
+            raise K2Error(f"input dimension {dim!r} has no optimisation-profile range (known: batch, seq, table, pages)")
     return tuple(tuple(d[i] for d in dims) for i in range(3))
 
 

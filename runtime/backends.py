@@ -9,18 +9,19 @@ from .tensorrt.environment import require_tensorrt
 
 
 def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None = None, placement: str | None = None,
-                 ray: str | None = None, cache_shape: tuple[int, int] | None = None):
+                 ray: str | None = None, cache_tokens: int | None = None):
     """The model of an artifact on backend `name`. provider and threads apply to ONNX Runtime; TensorRT runs
     the engines `k2deploy build-engines` built for this GPU (a K2Error says how to build or install them).
     A placement ("auto" or "0:31@cuda:0,31:61@cuda:1") or a Ray address runs ONNX Runtime stages, each checked
-    against its device's memory for a cache of cache_shape = (max batch, max context)."""
+    against its device's memory for its share of a cache of `cache_tokens` tokens (default: one sequence of the
+    model's whole context)."""
     if placement is not None or ray is not None:
         if name != "onnxruntime":
             raise K2Error("--placement and --ray run ONNX Runtime stages; drop --backend tensorrt")
         from .placed import load_placed
 
-        batch, context = cache_shape or (1, manifest.config.max_position_embeddings)
-        return load_placed(manifest, placement, ray, provider, threads, batch, context)
+        tokens = cache_tokens or manifest.config.max_position_embeddings
+        return load_placed(manifest, placement, ray, provider, threads, tokens)
     if name == "onnxruntime":
         from .ort_backend import OrtModel
 

@@ -38,9 +38,11 @@ class BatchForward:
 
     def _run(self, slots: Sequence[int], token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
              last: np.ndarray | None) -> np.ndarray:
+        self.cache.reserve(slots, np.where(valid, positions + 1, 0).max(axis=1))
         view = self.cache.view(slots)
         hidden = self.model.forward(token_ids, positions, valid, view)
-        view.commit()
+        view.grow(positions, valid)
+        view.commit(token_ids, valid)
         if last is None:
             return self.model.logits(hidden)
         return self.model.logits(hidden[np.arange(len(slots)), last][:, None])[:, 0]

@@ -24,6 +24,7 @@ class Generation:
     finish_reason: str = "length"  # "stop" when a stop id was drawn
     ttft_ms: float = 0.0  # prefill and the first token
     tpot_ms: float = 0.0  # mean time per later token
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
 
 
 class Generator:
@@ -56,7 +57,12 @@ class Generator:
         loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
         requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row)
                     for row, p in enumerate(prompts)]
-        for request in requests:
+        first, rest = requests[0], requests[1:]
+        loop.submit(first)
+        if any(_shared(first.prompt_ids, r.prompt_ids) >= loop.cache.page_size for r in rest):
+            while first.prefilling and not first.done:  # its pages first, so that the others reuse their prefix
+                loop.step()
+        for request in rest:
             loop.submit(request)
         loop.run_until_done()
         results = []
@@ -66,7 +72,8 @@ class Generator:
             later = len(request.generated) - 1
             results.append(Generation(request.prompt_ids, list(request.generated), request.finish_reason,
                                       (request.first_token_at - request.arrived_at) * 1e3,
-                                      (request.last_token_at - request.first_token_at) * 1e3 / later if later > 0 else 0.0))
+                                      (request.last_token_at - request.first_token_at) * 1e3 / later if later > 0 else 0.0,
+                                      request.cached_prompt_tokens or 0))
         return results
 
     def score(self, prompt: list[int]) -> np.ndarray:
@@ -74,3 +81,13 @@ class Generator:
         self.check_prompt(prompt)
         forward = BatchForward(self.model, self.model.new_cache(1, len(prompt)))
         return forward.prefill([0], [prompt], every_position=True)[0]
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many tokens two prompts share at their start."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

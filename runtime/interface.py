@@ -24,13 +24,14 @@ class Model(Protocol):
     threads: int | None  # the size of the host thread pool its graphs run on (None: none, e.g. TensorRT engines)
     num_layers: int  # the decoder layers it runs
 
-    def new_cache(self, batch: int, max_len: int) -> Cache:
-        """A cache of `batch` slots of `max_len` positions each."""
+    def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
+        """A cache of `batch` slots of up to `max_len` positions each over a pool of `pages` pages (default: every
+        slot at its longest); `prefix_cache` False: no prefix reuse."""
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
-        """token_ids, positions, valid [b, s] (rows right-padded; row i's slot holds positions[i, 0] tokens) ->
-        hidden [b, s, m] float32; the view's slots gain the valid entries, `view.lengths` the grown lengths
-        (`view.commit()` makes them the cache's)."""
+        """token_ids, positions, valid [b, s] (rows right-padded; row i's slot holds positions[i, 0] tokens and
+        has pages reserved for the new ones) -> hidden [b, s, m] float32; the view's pages gain the valid entries
+        (`BatchForward` then grows and commits the view)."""
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32."""

@@ -11,12 +11,12 @@ from collections import defaultdict
 import numpy as np
 import onnxruntime as ort
 
-from ..core.cache_format import CacheFormat
+from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
 from ..core.manifest import Manifest
 from ..core.targets import artifact_target
-from .cache import CacheView
-from .kv_cache import LatentCache
+from .cache import Cache, CacheView, SlotView, pages_for
+from .kv_cache import LatentPages
 from .thread_pool import process_threads, session_options
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
@@ -54,13 +54,14 @@ def check_against_graphs(manifest: Manifest, loaded: list) -> None:
                       f"edited or mixes artifacts, re-export it")
 
     expected_dims = {"hidden": {-1: config.hidden_size}, "hidden_out": {-1: config.hidden_size},
-                     "past_latent": {-1: kv["latent_dim"]}, "new_latent": {-1: kv["latent_dim"]},
-                     "past_rope": {-1: kv["rope_dim"]}, "new_rope": {-1: kv["rope_dim"]},
+                     "latent_pages": {1: PAGE_SIZE, -1: kv["latent_dim"]}, "new_latent": {-1: kv["latent_dim"]},
+                     "rope_pages": {1: PAGE_SIZE, -1: kv["rope_dim"]}, "new_rope": {-1: kv["rope_dim"]},
                      "logits": {-1: config.vocab_size}}
     if kv["latent_dim"] != config.kv_lora_rank or kv["rope_dim"] != config.qk_rope_head_dim:
         raise K2Error(f"{manifest.root}: manifest.json's kv_cache dims ({kv['latent_dim']}, {kv['rope_dim']}) are not its "
                       f"model's ({config.kv_lora_rank}, {config.qk_rope_head_dim}); re-export the artifact")
-    latent_type = CacheFormat.from_manifest(kv).latent_type
+    latent = CacheFormat.from_manifest(kv).arrays[0]
+    latent_types = {"latent_pages": latent.pages_type, "new_latent": latent.onnx_type}
     for entry, session in loaded:
         declared = [(v["name"], v["dtype"]) for v in entry["inputs"]] + [(v["name"], v["dtype"]) for v in entry["outputs"]]
         actual = [(a.name, ORT_TYPES.get(a.type, a.type)) for a in (*session.get_inputs(), *session.get_outputs())]
@@ -70,9 +71,9 @@ def check_against_graphs(manifest: Manifest, loaded: list) -> None:
             for axis, size in expected_dims.get(arg.name, {}).items():
                 if arg.shape[axis] != size:
                     refuse(entry, f"{arg.name} has {arg.shape[axis]} at axis {axis}, the manifest's config says {size}")
-            if arg.name in ("past_latent", "new_latent") and ORT_TYPES.get(arg.type) != latent_type:
+            if arg.name in latent_types and ORT_TYPES.get(arg.type) != latent_types[arg.name]:
                 refuse(entry, f"{arg.name} is {ORT_TYPES.get(arg.type, arg.type)}, the manifest's cache format "
-                              f"{kv['format']!r} needs {latent_type}")
+                              f"{kv['format']!r} needs {latent_types[arg.name]}")
 
 
 class OrtModel:
@@ -108,45 +109,51 @@ class OrtModel:
                   (("embed", self.embed_session), ("head", self.head_session)) if session is not None]
         check_against_graphs(manifest, [*loaded, *zip((entries[i] for i in self.layers), self.layer_sessions)])
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
+        self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_sessions)
 
-    def new_cache(self, batch: int, max_len: int) -> LatentCache:
-        return LatentCache(self.kv_cache, self.num_layers, batch, max_len)
+    def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
+        """`batch` sequences of up to `max_len` positions over `pages` pages (default: enough for every sequence at
+        its longest)."""
+        pages = pages or batch * pages_for(max_len)
+        return Cache(batch, max_len, pages, self.new_store(pages), prefix_cache, self.salt)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                view: CacheView) -> np.ndarray:
-        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the view's slots gain the
-        valid entries and `view.lengths` the grown lengths (`view.commit()` makes them the cache's).
+    def new_store(self, pages: int) -> LatentPages:
+        """The entries of `pages` pages for this model's layers, in host memory."""
+        return LatentPages(self.kv_cache, self.num_layers, pages)
 
-        Row i's slot must hold exactly positions[i, 0] tokens: its new tokens follow them. A stage that does not
-        start at layer 0 takes the previous stage's hidden [b, s, m] in place of token_ids.
-        """
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
+        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the view's rows gain the
+        valid entries (each row holds exactly positions[i, 0] tokens; its pages are reserved for the new ones)."""
+        return self.run(token_ids, positions, valid, view.entries())
+
+    def run(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, entries: CacheView) -> np.ndarray:
+        """As forward, through the entries' view. A stage that does not start at layer 0 takes the previous
+        stage's hidden [b, s, m] in place of token ids."""
         if self.first:
             started = time.perf_counter()
-            hidden = self.embed_session.run(None, {"token_ids": token_ids})[0]
+            hidden = self.embed_session.run(None, {"token_ids": inputs})[0]
             self._timed("embed", started)
         else:
-            hidden = np.ascontiguousarray(token_ids, dtype=np.float32)
-        past = int(positions[:, 0].max())
-        new_entries = view.new_entries(positions.shape[1])
+            hidden = np.ascontiguousarray(inputs, dtype=np.float32)
+        new_entries = entries.new_entries(positions.shape[1])
         for layer, session in enumerate(self.layer_sessions):
             started = time.perf_counter()
             binding = session.io_binding()
             binding.bind_cpu_input("hidden", hidden)
             binding.bind_cpu_input("positions", positions)
-            for name, value in view.past_inputs(layer, past).items():
+            for name, value in entries.past_inputs(layer).items():
                 binding.bind_ortvalue_input(name, value)
             hidden = np.empty_like(hidden)
             binding.bind_ortvalue_output("hidden_out", ort.OrtValue.ortvalue_from_numpy(hidden))
             for name, value in new_entries.items():
                 binding.bind_ortvalue_output(name, value)
             session.run_with_iobinding(binding)
-            view.store(layer, positions, valid)
+            entries.store(layer, positions, valid)
             self._timed(f"layer_{self.layers.start + layer:03d}", started)
-        view.grow(positions, valid)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

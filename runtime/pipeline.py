@@ -1,9 +1,10 @@
 """A model split into pipeline stages behind the runtime interface: each stage a contiguous range of decoder
-layers on its own device, with its slice of the latent cache; only the hidden state [b, s, m] crosses
-from one stage to the next.
+layers on its own device, with its layers' entries of every cache page; only the hidden state [b, s, m] (and
+the rows' page table) crosses from one stage to the next.
 
 The stages run in this process (`LocalStages`) or each in a Ray actor (`ray_stages.RayStages`); the
-driver holds no weights and no cache entries, only the slots' lengths (`PipelineCache`). A `StageRunner`
+driver holds no weights and no cache entries, only the slots, their page tables and the prefix index
+(`PipelineCache`). A `StageRunner`
 is the same object in both: in a Ray actor it is the actor's state.
 """
 
@@ -16,7 +17,7 @@ import numpy as np
 from ..core.errors import K2Error
 from ..core.manifest import load_manifest
 from ..core.placement import Stage as Placement
-from .cache import Cache, SlotView
+from .cache import Cache, SlotView, pages_for
 from .ort_backend import OrtModel
 
 
@@ -30,30 +31,28 @@ class StageRunner:
         manifest = load_manifest(artifact)
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
                               layers=range(placement.start, placement.stop), device_id=device_id, host_share=host_share)
-        self.cache = None
+        self.store = None
 
-    def allocate(self, batch: int, max_len: int) -> int:
-        """A cache of `batch` slots of `max_len` positions for this stage's layers -> its bytes."""
-        self.cache = self.model.new_cache(batch, max_len)
-        return self.cache.nbytes
+    def allocate(self, pages: int) -> int:
+        """The entries of `pages` cache pages for this stage's layers -> their bytes."""
+        self.store = self.model.new_store(pages)
+        return self.store.nbytes
 
     def threads(self) -> int:
         """The size of this stage's process's intra-op thread pool."""
         return self.model.threads
 
     def ready(self) -> bool:
-        """Whether the stage has its cache (a restarted Ray actor has none until `allocate` again)."""
-        return self.cache is not None
+        """Whether the stage has its cache pages (a restarted Ray actor has none until `allocate` again)."""
+        return self.store is not None
 
     def forward(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray,
-                slots: Sequence[int]) -> np.ndarray:
-        """inputs: token_ids [b, s] on the first stage, else the previous stage's hidden [b, s, m] -> hidden."""
-        if self.cache is None:
+                page_table: np.ndarray) -> np.ndarray:
+        """inputs: token_ids [b, s] on the first stage, else the previous stage's hidden [b, s, m] -> hidden; the
+        rows' pages (page_table [b, n], the driver's) gain the valid entries."""
+        if self.store is None:
             raise K2Error("this pipeline stage has no cache (it was restarted); the request that used it failed")
-        view = self.cache.view(slots)
-        hidden = self.model.forward(inputs, positions, valid, view)
-        view.commit()
-        return hidden
+        return self.model.run(inputs, positions, valid, self.store.view(page_table))
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.model.logits(hidden)
@@ -76,16 +75,16 @@ class LocalStages:
     def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None):
         self.stages = [StageRunner(artifact, p, provider, threads, device_id(p)) for p in placements]
 
-    def allocate(self, batch: int, max_len: int) -> int:
-        return sum(stage.allocate(batch, max_len) for stage in self.stages)
+    def allocate(self, pages: int) -> int:
+        return sum(stage.allocate(pages) for stage in self.stages)
 
     def threads(self) -> list[int]:
         return [stage.threads() for stage in self.stages]
 
-    def forward(self, token_ids, positions, valid, slots) -> np.ndarray:
+    def forward(self, token_ids, positions, valid, page_table) -> np.ndarray:
         hidden = token_ids
         for stage in self.stages:
-            hidden = stage.forward(hidden, positions, valid, slots)
+            hidden = stage.forward(hidden, positions, valid, page_table)
         return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
@@ -103,20 +102,16 @@ class LocalStages:
 
 
 class PipelineCache(Cache):
-    """The driver's side of a pipeline's cache: the slots' lengths; each stage holds its layers' entries (a
-    forward's view is a `SlotView`: the stages make their own views of the same slots)."""
+    """The driver's side of a pipeline's cache: the slots, their page tables and the prefix index; each stage holds
+    its layers' entries of every page."""
 
-    def __init__(self, stages, batch: int, max_len: int):
-        super().__init__(batch)
-        self.stages = stages
-        self._nbytes = stages.allocate(batch, max_len)
+    def __init__(self, stages, batch: int, max_len: int, pages: int, prefix_cache: bool, salt: bytes):
+        super().__init__(batch, max_len, pages, None, prefix_cache, salt)
+        self._nbytes = stages.allocate(pages)
 
     @property
     def nbytes(self) -> int:
         return self._nbytes
-
-    def view(self, slots: Sequence[int]) -> SlotView:
-        return SlotView(self, slots)
 
 
 class PipelineModel:
@@ -129,19 +124,18 @@ class PipelineModel:
         self.placements = placements
         self.threads = stages.threads()[0]  # the first stage's intra-op pool (stages on one host have alike pools)
         self.num_layers = sum(p.stop - p.start for p in placements)
+        self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
 
     @property
     def stage_seconds(self) -> dict[str, float]:
         """Per layer where the stages run here, else the stages' own totals, fetched when read."""
         return StageSeconds(self.stages)
 
-    def new_cache(self, batch: int, max_len: int) -> PipelineCache:
-        return PipelineCache(self.stages, batch, max_len)
+    def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> PipelineCache:
+        return PipelineCache(self.stages, batch, max_len, pages or batch * pages_for(max_len), prefix_cache, self.salt)
 
     def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
-        hidden = self.stages.forward(token_ids, positions, valid, view.slots)
-        view.grow(positions, valid)
-        return hidden
+        return self.stages.forward(token_ids, positions, valid, view.page_table)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.stages.logits(hidden)

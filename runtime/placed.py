@@ -1,5 +1,5 @@
 """A pipeline model from `--placement` and `--ray`: the stages parsed or made, each checked against its device's
-memory for its weights plus its cache at max batch x max context, then loaded here or on Ray actors."""
+memory for its weights plus its layers' share of the cache's page pool, then loaded here or on Ray actors."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .pipeline import LocalStages, PipelineModel
 
 
 def load_placed(manifest, placement: str | None, ray: str | None, provider: str, threads: int | None,
-                max_batch: int, max_context: int) -> PipelineModel:
+                cache_tokens: int) -> PipelineModel:
     """The artifact as stages; placement None or "auto": one cpu stage on the cpu provider, else one stage per
     visible GPU, balanced by bytes."""
     if ray is not None:
@@ -24,7 +24,7 @@ def load_placed(manifest, placement: str | None, ray: str | None, provider: str,
         connect(ray)
     layers = len(manifest.graphs["layers"])
     weights = _stage_weights(manifest)
-    cache_per_layer = max_batch * max_context * CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer
+    cache_per_layer = cache_tokens * CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer
     if placement in (None, "auto"):
         stages = _auto(weights, cache_per_layer, layers, provider, ray is not None)
     else:
@@ -32,7 +32,7 @@ def load_placed(manifest, placement: str | None, ray: str | None, provider: str,
     if provider == "cpu" and any(s.device != "cpu" for s in stages):
         raise K2Error("--placement puts stages on GPUs but --provider is cpu; pass --provider cuda (or tensorrt)")
     for i, stage in enumerate(stages):
-        _check_memory(i, stage, weights, cache_per_layer, max_batch, max_context)
+        _check_memory(i, stage, weights, cache_per_layer, cache_tokens)
     if ray is not None:
         from .ray_stages import RayStages
 
@@ -63,7 +63,7 @@ def _auto(weights: dict, cache_per_layer: int, layers: int, provider: str, on_ra
                           int(capacity * USABLE_FRACTION))
 
 
-def _check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int, batch: int, context: int) -> None:
+def _check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int, tokens: int) -> None:
     """Checked here for the stages of this host (h0), where this process can see the devices."""
     if stage.host:
         return
@@ -74,12 +74,11 @@ def _check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int,
     usable = int(capacity * USABLE_FRACTION)
     need = held + cache_per_layer * stage.layers
     if need > usable:
-        per_position = cache_per_layer // context * stage.layers
-        fits = (usable - held) // per_position if usable > held else 0
-        hint = (f"--max-context {fits} at --max-batch {batch} would fit" if fits else
-                "its weights alone do not fit: give it fewer layers")
+        per_token = cache_per_layer // tokens * stage.layers
+        fits = (usable - held) // per_token if usable > held else 0
+        hint = (f"--max-total-tokens {fits} would fit" if fits else "its weights alone do not fit: give it fewer layers")
         raise K2Error(f"stage {index} (layers {stage.start}:{stage.stop} on {stage.name}) needs {format_bytes(need)} "
-                      f"for weights and a cache of {batch} x {context} positions, its device offers "
+                      f"for weights and a cache of {tokens} tokens, its device offers "
                       f"{format_bytes(usable)} ({USABLE_FRACTION:.0%} of {format_bytes(capacity)}); {hint}")
 
 

@@ -58,7 +58,7 @@ class RayStages:
 
         self.ray = ray
         self.placements = placements
-        self.shape: tuple[int, int] | None = None
+        self.pages: int | None = None  # the cache's pages, once allocated (a restarted stage gets them again)
         remote = ray.remote(StageRunner)
         nodes = _nodes_by_host(ray, max(p.host for p in placements) + 1)
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
@@ -78,21 +78,21 @@ class RayStages:
                                                                 0 if gpu else device_id(placement), per_host[placement.host]))
         self._get([actor.ready.remote() for actor in self.actors], "loading")
 
-    def allocate(self, batch: int, max_len: int) -> int:
-        self.shape = (batch, max_len)
-        return sum(self._get([actor.allocate.remote(batch, max_len) for actor in self.actors], "allocating the cache"))
+    def allocate(self, pages: int) -> int:
+        self.pages = pages
+        return sum(self._get([actor.allocate.remote(pages) for actor in self.actors], "allocating the cache"))
 
     def threads(self) -> list[int]:
         return self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
 
-    def forward(self, token_ids, positions, valid, slots) -> np.ndarray:
+    def forward(self, token_ids, positions, valid, page_table) -> np.ndarray:
         """The rows as up to one micro-batch per stage, all submitted at once: while stage k runs micro-batch i,
         stage k + 1 runs micro-batch i - 1 (each actor takes its calls in order)."""
         refs = []
-        for part in np.array_split(np.arange(len(slots)), min(len(slots), len(self.actors))):
+        for part in np.array_split(np.arange(len(page_table)), min(len(page_table), len(self.actors))):
             ref = token_ids[part]
             for actor in self.actors:  # each stage's hidden goes straight to the next
-                ref = actor.forward.remote(ref, positions[part], valid[part], [slots[i] for i in part])
+                ref = actor.forward.remote(ref, positions[part], valid[part], page_table[part])
             refs.append(ref)
         return np.concatenate(self._get(refs, "a forward"))
 
@@ -112,8 +112,8 @@ class RayStages:
             where = f"pipeline stage {i} (layers {placement.start}:{placement.stop} on {placement.name})"
             try:
                 ready = self.ray.get(actor.ready.remote(), timeout=PING_TIMEOUT_S)
-                if not ready and self.shape is not None:
-                    self.ray.get(actor.allocate.remote(*self.shape), timeout=PING_TIMEOUT_S * 6)
+                if not ready and self.pages is not None:
+                    self.ray.get(actor.allocate.remote(self.pages), timeout=PING_TIMEOUT_S * 6)
             except self.ray.exceptions.GetTimeoutError:
                 return f"{where} does not answer (restarting or busy)"
             except self.ray.exceptions.RayError as exc:

@@ -90,7 +90,12 @@ class GenerationRequest:
         self.single_call = single_call
         self.forced = parser.feed(forced_text) if parser and forced_text else None  # sent with the first token
         self.slot: int | None = None
-        self.cached = 0  # prompt tokens already in the slot's cache
+        self.feed_ids = prompt_ids  # what runs before the next token is sampled: the prompt, after a preemption
+        # the prompt and what was generated (the generated tokens are kept; the cache entries are recomputed)
+        self.cached = 0  # tokens of feed_ids already in the slot's cache
+        self.cached_prompt_tokens: int | None = None  # prompt tokens found in the cache when first admitted
+        self.preempted = 0  # times it gave its pages back before it finished
+        self.admission = 0  # when it last took a slot (the step loop's count): the newest is preempted first
         self.generated: list[int] = []  # sampled ids, without a stop id
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it failed, when a forward it was in failed
@@ -101,14 +106,26 @@ class GenerationRequest:
 
     @property
     def prefilling(self) -> bool:
-        return self.cached < len(self.prompt_ids)
+        return self.cached < len(self.feed_ids)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
     def next_chunk(self, limit: int) -> list[int]:
-        return self.prompt_ids[self.cached:self.cached + limit]
+        return self.feed_ids[self.cached:self.cached + limit]
+
+    def admitted(self, cached: int) -> None:
+        """It holds a slot whose cache has the first `cached` tokens of feed_ids already."""
+        self.cached = cached
+        if self.cached_prompt_tokens is None:
+            self.cached_prompt_tokens = cached
+
+    def preempt(self) -> None:
+        """It gave its slot and pages back: it will run its prompt and what it generated again, then go on."""
+        self.feed_ids = self.prompt_ids + self.generated
+        self.slot, self.cached = None, 0
+        self.preempted += 1
 
     def accept(self, token: int) -> Update:
         """One sampled token -> the update for the client; sets finish_reason when this token ends the request."""
@@ -124,6 +141,10 @@ class GenerationRequest:
         if len(self.generated) >= self.params.max_new_tokens:
             return self._update(text + self._flush(), (token,), "length")
         return self._update(text, (token,), None)
+
+    def end(self, reason: str) -> Update:
+        """Ends it without a token (the cache cannot hold more of it): the last update, finish_reason `reason`."""
+        return self._update(self._flush(), (), reason)
 
     def _flush(self) -> str:
         return self.text.finish() if self.text else ""

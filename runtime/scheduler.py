@@ -1,4 +1,6 @@
-"""Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones.
+"""Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones
+(a request is admitted when a slot is free and the cache has pages for its prompt; a preempted one waits
+first in line).
 
 The HTTP side submits and cancels from the event loop; the engine thread admits, and lets
 requests leave, at step boundaries. One lock guards the queue and the slot table.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from .requests import GenerationRequest
 
@@ -36,18 +39,25 @@ class Scheduler:
         with self.lock:
             return self.lock.wait_for(lambda: self.waiting or any(self.slots), timeout)
 
-    def admit(self) -> list[GenerationRequest]:
-        """Moves waiting requests, first come first served, into free slots (lowest first); drops cancelled ones."""
+    def admit(self, fits: Callable[[GenerationRequest], bool] = lambda request: True) -> list[GenerationRequest]:
+        """Moves waiting requests, first come first served, into free slots (lowest first) while the next one
+        `fits` (the cache has the pages for it); drops cancelled ones."""
         with self.lock:
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
             admitted = []
             for slot, holder in enumerate(self.slots):
-                if holder is None and self.waiting:
+                if holder is None and self.waiting and fits(self.waiting[0]):
                     request = self.waiting.popleft()
                     request.slot = slot
                     self.slots[slot] = request
                     admitted.append(request)
             return admitted
+
+    def requeue(self, request: GenerationRequest) -> None:
+        """A running request gives its slot back and waits first in line (preempted: the cache ran out of pages)."""
+        with self.lock:
+            self.slots[request.slot] = None
+            self.waiting.appendleft(request)
 
     def running(self) -> list[GenerationRequest]:
         with self.lock:

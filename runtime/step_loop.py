@@ -26,12 +26,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..core.errors import K2Error
+from ..core.sizes import MIN_PREFILL_CHUNK, prefill_chunk
 from .batch_forward import BatchForward
+from .cache import pages_for
 from .interface import Model
+from .page_pool import PoolFull
 from .requests import GenerationRequest, Update
 from .sampling import sample
 from .scheduler import Scheduler
-from ..core.sizes import PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from .serve.metrics import ServerMetrics
@@ -44,18 +47,31 @@ class StepLoop:
     """A cache of `slots` slots of `context` positions, the requests that hold them, and the forwards that run
     them; `metrics` (the server's) counts what happens."""
 
-    def __init__(self, model: Model, slots: int, context: int, max_queue: int, metrics: ServerMetrics | None = None):
+    def __init__(self, model: Model, slots: int, context: int, max_queue: int, metrics: ServerMetrics | None = None,
+                 pages: int | None = None, prefix_cache: bool = True):
+        """slots: requests running at once; context: positions one may reach; pages: the cache's pool (default:
+        every slot at full context)."""
         self.model = model
         self.context = context
-        self.cache = model.new_cache(slots, context)
+        self.cache = model.new_cache(slots, context, pages, prefix_cache)
         self.forwards = BatchForward(model, self.cache)
         self.scheduler = Scheduler(slots, max_queue)
         self.metrics = metrics
+        self.heads = model.config.num_attention_heads
+        self.admissions = 0  # requests admitted so far: the newest running one is preempted first
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
         self.sampling_seconds = 0.0  # cumulative time spent choosing tokens, for benchmarks
 
     def submit(self, request: GenerationRequest) -> None:
-        """Queues a request (QueueFull when there is no room); it is admitted at the next step."""
+        """Queues a request (QueueFull when there is no room); it is admitted at the next step. A prompt that
+        does not fit the context or the whole cache is a K2Error."""
+        needed, pool = len(request.prompt_ids) + 1, self.cache.pool.pages * self.cache.page_size
+        if needed > self.context:
+            raise K2Error(f"the prompt has {len(request.prompt_ids)} tokens; with one to generate that is past the "
+                          f"context of {self.context} positions")
+        if needed > pool:
+            raise K2Error(f"the prompt has {len(request.prompt_ids)} tokens; with one to generate that is more than "
+                          f"the whole cache holds ({pool} tokens)")
         self.scheduler.submit(request)
 
     def run_until_done(self) -> None:
@@ -72,8 +88,12 @@ class StepLoop:
 
     def running(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
-        for request in self.scheduler.admit():  # into slots released when their last request left
-            request.cached = self.cache.admit(request.slot, request.prompt_ids)
+        for request in self.scheduler.admit(self._fits):  # into slots released when their last request left
+            request.admitted(self.cache.admit(request.slot, request.feed_ids))
+            self.admissions += 1
+            request.admission = self.admissions
+            if self.metrics:
+                self.metrics.cached_prompt_tokens.inc(request.cached)
         running = []
         for request in self.scheduler.running():
             if request.cancelled:
@@ -104,8 +124,17 @@ class StepLoop:
         for request in self.scheduler.running():
             self._fail(request, exc)
 
+    def _fits(self, request: GenerationRequest) -> bool:
+        """Whether the pool has pages for a waiting request's prompt (cached prefixes not counted)."""
+        return pages_for(len(request.feed_ids) + 1, self.cache.page_size) <= self.cache.pool.available
+
     def _prefill(self, requests: list[GenerationRequest]) -> None:
-        chunks = [r.next_chunk(PREFILL_CHUNK) for r in requests]
+        requests, size = self._prefill_rows(requests)
+        chunks = [r.next_chunk(size) for r in requests]
+        requests = self._make_room(requests, [r.cached + len(c) for r, c in zip(requests, chunks)])
+        if not requests:
+            return
+        chunks = [r.next_chunk(size) for r in requests]
         logits = self._forward(requests, lambda slots: self.forwards.prefill(slots, chunks))
         if logits is None:
             return
@@ -116,20 +145,69 @@ class StepLoop:
         complete = [row for row, r in enumerate(requests) if not r.prefilling]
         self._emit([requests[row] for row in complete], logits[complete])
 
+    def _prefill_rows(self, requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], int]:
+        """The prefilling requests that run this step, oldest first, and their chunk size: PREFILL_CHUNK, less where
+        the attention scores would pass their budget (core/sizes.py prefill_chunk); newer requests wait a step
+        rather than shrink the chunk below MIN_PREFILL_CHUNK."""
+        requests = sorted(requests, key=lambda r: r.admission)
+        while True:
+            past = max(r.cached for r in requests)
+            size = prefill_chunk(len(requests), self.heads, past)
+            if size >= MIN_PREFILL_CHUNK or len(requests) == 1:
+                return requests, size
+            requests = requests[:-1]
+
     def _decode(self, requests: list[GenerationRequest]) -> None:
+        requests = self._make_room(requests, [int(self.cache.lengths[r.slot]) + 1 for r in requests])
+        if not requests:
+            return
         tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
         logits = self._forward(requests, lambda slots: self.forwards.decode(slots, tokens))
         if logits is not None:
             self._emit(requests, logits)
 
+    def _make_room(self, requests: list[GenerationRequest], lengths: list[int]) -> list[GenerationRequest]:
+        """Gives each request's slot the pages for its first `lengths` positions. When the pool runs out, the newest
+        running request is preempted (its pages freed; it waits first in line and later runs its prompt and
+        what it generated again): -> the requests that still run. A request that alone needs more than the
+        whole pool ends with finish_reason "length"."""
+        for request, length in zip(requests, lengths):
+            while request.slot is not None:
+                try:
+                    self.cache.reserve([request.slot], [length])
+                    break
+                except PoolFull:
+                    running = self.scheduler.running()
+                    if running == [request]:
+                        self._end(request, "length")
+                    else:
+                        self._preempt(max(running, key=lambda r: r.admission))
+        return [r for r in requests if r.slot is not None]
+
+    def _preempt(self, request: GenerationRequest) -> None:
+        slot = request.slot
+        self.scheduler.requeue(request)
+        self.cache.release(slot)
+        request.preempt()
+        log.info("cache pool full: preempted a request (%d tokens in; it runs again when pages are free)",
+                 len(request.feed_ids))
+        if self.metrics:
+            self.metrics.preemptions.inc()
+
+    def _end(self, request: GenerationRequest, reason: str) -> None:
+        self.send(request, request.end(reason))
+        self._leave(request, reason)
+
     def _forward(self, requests: list[GenerationRequest], step) -> np.ndarray | None:
         """One step over the requests' slots -> logits [rows, vocab]; None when it failed (each request then got
-        an error and left, and a pipeline is asked whether a stage is down)."""
+        an error and left, the cache forgot its prefixes, whose entries a restarted stage no longer has, and a
+        pipeline is asked whether a stage is down)."""
         try:
             return step([r.slot for r in requests])
         except Exception as exc:
             for request in requests:
                 self._fail(request, exc)
+            self.cache.pool.forget()
             self.fault = self.problem()
             return None
 

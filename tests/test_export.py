@@ -19,7 +19,7 @@ from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E40
 def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     data = manifest.data
-    assert data["format_version"] == 1 and data["complete"]
+    assert data["format_version"] == 2 and data["complete"]
     assert [g["layer"] for g in data["graphs"]["layers"]] == [0, 1, 2]
     assert [g["structure"] for g in data["graphs"]["layers"]] == ["dense", "moe", "moe"]
     for relative, record in data["files"].items():
@@ -32,10 +32,13 @@ def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):
 def test_decode_graphs_take_the_cache_as_fp8_and_keep_fp8_weights(tiny_artifacts):
     layer = onnx.load(tiny_artifacts["fp8"] / "graphs" / "layer_001.onnx", load_external_data=False)
     inputs = {i.name: i.type.tensor_type.elem_type for i in layer.graph.input}
-    assert inputs["past_latent"] == onnx.TensorProto.FLOAT8E4M3FN
-    assert inputs["past_rope"] == onnx.TensorProto.FLOAT16
-    dims = [d.dim_param for d in layer.graph.input[2].type.tensor_type.shape.dim[:2]]
-    assert dims == ["past", "batch"]  # dynamic past length and batch
+    assert inputs["page_table"] == onnx.TensorProto.INT64
+    assert inputs["latent_pages"] == onnx.TensorProto.UINT8  # the e4m3 bits: ONNX gathers no e4m3
+    assert inputs["rope_pages"] == onnx.TensorProto.FLOAT16
+    outputs = {o.name: o.type.tensor_type.elem_type for o in layer.graph.output}
+    assert outputs["new_latent"] == onnx.TensorProto.FLOAT8E4M3FN
+    shapes = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in layer.graph.input}
+    assert shapes["page_table"] == ["batch", "table"] and shapes["latent_pages"] == ["pages", 64, 64]
     weights = {t.name: t for t in layer.graph.initializer}
     assert weights["self_attn.q_a_proj.weight"].data_type == onnx.TensorProto.FLOAT8E4M3FN
     assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in weights.values())

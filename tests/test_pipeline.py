@@ -58,7 +58,7 @@ def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
 def test_a_placement_that_does_not_fit_says_what_would(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(Exception, match=r"stage 0 \(layers 0:3 on h0/cpu\) needs .* would fit"):
-        load_backend("onnxruntime", manifest, placement="0:3@cpu", cache_shape=(4096, 10**9))
+        load_backend("onnxruntime", manifest, placement="0:3@cpu", cache_tokens=4096 * 10**9)
 
 
 def test_an_unreachable_ray_address_is_one_line(tiny_artifacts):

@@ -281,14 +281,14 @@ def test_api_key_queue_full_and_sigterm_drain(guarded_server):
     client = server.client(api_key="sesame")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
 
-    # the one slot busy and no queue: 429 with Retry-After, and the running request carries on
+    # the one slot busy and no queue: 503 with Retry-After, and the running request carries on
     body = {"model": MODEL, "prompt": "The ferry", "max_tokens": 40, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60, headers=key) as http, \
             http.stream("POST", f"{server.url}/v1/completions", json=body) as running:
         lines = running.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
         busy = http.post(f"{server.url}/v1/completions", json=body | {"stream": False})
-        assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
         assert busy.json()["error"]["code"] == "queue_full"
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2)

@@ -77,8 +77,9 @@ def test_no_engines_for_this_gpu_names_the_ones_there_are(built):
 
 
 def test_profiles_cover_prefill_and_decode():
-    latent = ["past", "batch", 512]
-    assert profile_shapes(latent, "prefill", 8, 4096) == ((0, 1, 512), (0, 1, 512), (4096, 8, 512))
+    latent = ["pages", 64, 512]
+    assert profile_shapes(latent, "prefill", 8, 4096) == ((1, 64, 512), (512, 64, 512), (512, 64, 512))
+    assert profile_shapes(["batch", "table"], "decode", 8, 4096) == ((1, 0), (8, 32), (8, 64))
     assert profile_shapes(["batch", "seq", 7168], "decode", 8, 4096) == ((1, 1, 7168), (8, 1, 7168), (8, 1, 7168))
     with pytest.raises(K2Error, match="no optimisation-profile range"):
         profile_shapes(["tokens"], "decode", 8, 4096)
@@ -178,53 +179,61 @@ class FakeCuda:
     def device_synchronize(self):
         pass
 
+    def to_device(self, pointer, array, stream):
+        self.memory[pointer:pointer + array.nbytes] = array.tobytes()
 
-CACHE_SPEC = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4}
+
+CACHE_SPEC = {"format": "fp8", "latent_dim": 8, "rope_dim": 4, "latent_scale_group": 4, "page_size": 64}
 ARRAYS = ("latent", "rope", "latent_scale")
 
 
-def test_the_device_cache_stores_entries_where_the_host_cache_does():
+def test_the_device_pages_store_entries_where_the_host_pages_do():
+    """Ragged prefills and decode runs with gaps, across page boundaries, for rows whose page tables are out of
+    order: each entry lands in the same page and offset on the device as on the host."""
     import numpy as np
     pytest.importorskip("onnxruntime")
-    from k2deploy.runtime.kv_cache import LatentCache
-    from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
 
-    layers, batch, max_len, s = 2, 3, 10, 4
-    cuda = FakeCuda()
-    device = DeviceLatentCache(CACHE_SPEC, layers, batch, max_len, cuda, stream=None)
-    host = LatentCache(CACHE_SPEC, layers, batch, max_len)
+    cuda, device, host = _device_and_host_pages(layers=2, pages=6)
+    table = np.array([[4, 1], [0, 5], [3, 2]])  # rows' pages in position order
     rng = np.random.default_rng(0)
     for layer, (positions, valid) in enumerate([
-        (np.broadcast_to(np.arange(s), (batch, s)), np.arange(s)[None] < np.array([[4], [2], [3]])),  # ragged prefill
-        (np.array([[4, 5, 6, 7], [2, 3, 9, 9], [3, 4, 5, 6]]), np.array([[1, 1, 0, 1], [1, 1, 0, 0], [0, 1, 1, 1]],
-                                                                         dtype=bool)),  # runs with gaps
+        (np.broadcast_to(np.arange(60, 64 + 6), (3, 10)), np.arange(10)[None] < np.array([[10], [2], [7]])),
+        (np.array([[62, 63, 64, 66], [2, 3, 9, 9], [63, 64, 65, 70]]),
+         np.array([[1, 1, 1, 1], [1, 1, 0, 0], [0, 1, 1, 1]], dtype=bool)),
     ]):
-        _store([host.view(range(batch)), device.view(range(batch))], layer, positions, valid,
-               _random_entries(rng, batch, s))
+        _store([host.view(table), device.view(table)], layer, positions, valid,
+               _random_entries(rng, 3, positions.shape[1]))
     for name in ARRAYS:
         array = host.arrays[name]
-        np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
+        assert array.any(), name
+        np.testing.assert_array_equal(_read_pages(cuda, device, name, array), array, err_msg=name)
 
 
-def _device_and_host_caches(layers, batch, max_len):
-    """A DeviceLatentCache on FakeCuda and a LatentCache, both holding the same random ragged prefill."""
+def test_device_views_bind_each_layers_pool_and_the_page_table():
     import numpy as np
-    from k2deploy.runtime.kv_cache import LatentCache
-    from k2deploy.runtime.tensorrt.device_cache import DeviceLatentCache
+    pytest.importorskip("onnxruntime")
+
+    cuda, device, host = _device_and_host_pages(layers=2, pages=3)
+    table = np.array([[2, 0], [1, 0]])
+    view = device.view(table)
+    for layer in range(2):
+        inputs = view.past_inputs(layer)
+        shape, address = inputs["page_table"]
+        assert shape == (2, 2)
+        np.testing.assert_array_equal(_read(cuda, address, table), table)
+        for name in ARRAYS:
+            shape, address = inputs[f"{name}_pages"]
+            assert shape == host.arrays[name][layer].shape
+            assert address == device.layer_address(name, layer) and address % 256 == 0
+
+
+def _device_and_host_pages(layers, pages):
+    """DevicePages on FakeCuda and LatentPages of the same pool."""
+    from k2deploy.runtime.kv_cache import LatentPages
+    from k2deploy.runtime.tensorrt.device_cache import DevicePages
 
     cuda = FakeCuda()
-    device = DeviceLatentCache(CACHE_SPEC, layers, batch, max_len, cuda, stream=None)
-    host = LatentCache(CACHE_SPEC, layers, batch, max_len)
-    rng = np.random.default_rng(1)
-    positions = np.broadcast_to(np.arange(5), (batch, 5))
-    valid = positions < rng.integers(1, 6, (batch, 1))
-    views = [host.view(range(batch)), device.view(range(batch))]
-    for layer in range(layers):
-        _store(views, layer, positions, valid, _random_entries(rng, batch, 5))
-    for view in views:
-        view.grow(positions, valid)
-        view.commit()
-    return cuda, device, host
+    return cuda, DevicePages(CACHE_SPEC, layers, pages, cuda, stream=None), LatentPages(CACHE_SPEC, layers, pages)
 
 
 def _random_entries(rng, b, s):
@@ -241,7 +250,7 @@ def _store(views, layer, positions, valid, entries):
     host_view, device_view = views
     host_view.new_entries(positions.shape[1])
     addresses = device_view.new_entries(positions.shape[1])
-    cuda = device_view.cache.cuda
+    cuda = device_view.pages.cuda
     for name, array in entries.items():
         host_view.entries[name][:] = array
         address = addresses[f"new_{name}"]
@@ -256,51 +265,11 @@ def _read(cuda, address, like):
     return np.frombuffer(bytes(cuda.memory[address:address + like.nbytes]), dtype=like.dtype).reshape(like.shape)
 
 
-def _read_cache(cuda, device, name, like):
-    """A device cache array as the host's [layers, max_len, batch, ...]: each layer's block at its own address."""
+def _read_pages(cuda, device, name, like):
+    """A device pool array as the host's [layers, pages, PAGE_SIZE, ...]: each layer's pool at its own address."""
     import numpy as np
 
     return np.stack([_read(cuda, device.layer_address(name, layer), like[layer]) for layer in range(len(like))])
-
-
-@pytest.mark.parametrize("slots", [[2, 0], [1], [0, 1, 2, 3]], ids=["two-reordered", "one", "whole"])
-def test_device_cache_views_see_and_grow_the_slots_the_host_views_do(slots):
-    """The server runs a forward over some slots of the cache: on the GPU the rows' past is gathered into
-    one block per layer and the new entries land in their slots, exactly as on the host."""
-    import numpy as np
-    pytest.importorskip("onnxruntime")
-
-    cuda, device, host = _device_and_host_caches(layers=2, batch=4, max_len=12)
-    device_view, host_view = device.view(slots), host.view(slots)
-    past = int(host_view.lengths.max())
-    for layer in range(2):
-        host_inputs, device_inputs = host_view.past_inputs(layer, past), device_view.past_inputs(layer, past)
-        for name in ARRAYS:
-            expected = host_inputs[f"past_{name}"].numpy()
-            if name == "latent":
-                expected = expected.view(np.uint8)
-            shape, address = device_inputs[f"past_{name}"]
-            assert shape == expected.shape == (past, len(slots), expected.shape[-1])
-            np.testing.assert_array_equal(_read(cuda, address, expected), expected, err_msg=f"layer {layer} {name}")
-    positions = host_view.lengths[:, None] + np.arange(2)  # two new tokens after what each slot holds
-    valid = np.ones_like(positions, dtype=bool)
-    _store([host_view, device_view], 1, positions, valid, _random_entries(np.random.default_rng(2), len(slots), 2))
-    for view in (host_view, device_view):
-        view.grow(positions, valid)
-        view.commit()
-    assert device.lengths.tolist() == host.lengths.tolist()
-    for name in ARRAYS:
-        array = host.arrays[name]
-        np.testing.assert_array_equal(_read_cache(cuda, device, name, array), array, err_msg=name)
-
-
-def test_cache_views_must_be_distinct_slots():
-    pytest.importorskip("onnxruntime")
-    _, device, host = _device_and_host_caches(layers=1, batch=3, max_len=8)
-    for cache in (device, host):
-        for slots in ([0, 0], [3]):
-            with pytest.raises(K2Error, match="not distinct slots of a 3-slot cache"):
-                cache.view(slots)
 
 
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")

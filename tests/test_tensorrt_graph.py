@@ -13,6 +13,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 from k2deploy.export.tensorrt_graph import (  # noqa: E402
     OPS_FILE, op_types, parser_ops, parser_problems, supported_ops, tensorrt_model, tensorrt_copies)
+from k2deploy.core.cache_format import PAGE_SIZE  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
 from k2deploy.runtime.thread_pool import session_options  # noqa: E402
@@ -165,6 +166,8 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
     manifest, report = copies
     config, cache = manifest.config, manifest.kv_cache
     b, s, t = shape
+    pages = -(-t // PAGE_SIZE)  # each row's past in pages (positions past t masked)
+    pool = max(1, b * pages)
     rng = np.random.default_rng(0)
     options = session_options()
     for stem in ("embed", "layer_000", "layer_001", "head"):
@@ -180,16 +183,17 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
                 feeds["hidden"] = rng.standard_normal((b, s, config.hidden_size)).astype(np.float32)
             elif value.name == "positions":
                 feeds["positions"] = np.broadcast_to(t + np.arange(s), (b, s)).astype(np.int64)
-            elif value.name == "past_latent":
-                latent = rng.standard_normal((t, b, config.kv_lora_rank))
-                feeds["past_latent"] = (ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                    latent.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), TensorProto.FLOAT8E4M3FN)
-                    if cache["format"] == "fp8" else ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
-                    latent.astype(ml_dtypes.bfloat16).view(np.uint16), TensorProto.BFLOAT16))
-            elif value.name == "past_rope":
-                feeds["past_rope"] = rng.standard_normal((t, b, config.qk_rope_head_dim)).astype(np.float16)
-            elif value.name == "past_latent_scale":
-                feeds["past_latent_scale"] = rng.random((t, b, 1)).astype(np.float32)
+            elif value.name == "page_table":
+                feeds["page_table"] = np.arange(b * pages).reshape(b, pages)[:, ::-1].copy()  # [b, n] pages, reversed
+            elif value.name == "latent_pages":
+                latent = rng.standard_normal((pool, PAGE_SIZE, config.kv_lora_rank))
+                feeds["latent_pages"] = (latent.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+                                         if cache["format"] == "fp8" else ort.OrtValue.ortvalue_from_numpy_with_onnx_type(
+                                             latent.astype(ml_dtypes.bfloat16).view(np.uint16), TensorProto.BFLOAT16))
+            elif value.name == "rope_pages":
+                feeds["rope_pages"] = rng.standard_normal((pool, PAGE_SIZE, config.qk_rope_head_dim)).astype(np.float16)
+            elif value.name == "latent_scale_pages":
+                feeds["latent_scale_pages"] = rng.random((pool, PAGE_SIZE, 1)).astype(np.float32)
         for out, x, y in zip(original.get_outputs(), original.run(None, feeds), rewritten.run(None, feeds)):
             x, y = np.asarray(x), np.asarray(y)
             if out.name == "new_latent" and cache["format"] == "bf16":  # widened to float32 by _widened: bf16 values

@@ -51,7 +51,7 @@ CASES = {
     "an edited cache format": (_set(["kv_cache", "format"], "bf16"),
                                "kv_cache format 'bf16' does not go with its latent_scale_group 64"),
     "a cache format of the same layout": (_set(["kv_cache", "format"], "int8"),
-                                          "past_latent is FLOAT8E4M3FN, the manifest's cache format 'int8' needs UINT8"),
+                                          "new_latent is FLOAT8E4M3FN, the manifest's cache format 'int8' needs UINT8"),
     "edited cache dims": (_set(["kv_cache", "latent_dim"], 32), "kv_cache dims (32, 16) are not its model's (64, 16)"),
 }
 

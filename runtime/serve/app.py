@@ -95,8 +95,10 @@ class Service:
                                 single_call=not options.parallel_tool_calls)
         try:
             self.engine.submit(job)
+        except K2Error as exc:  # the prompt does not fit the context or the whole cache
+            raise bad_request(f"{exc}.", param="messages" if chat else "prompt", code="context_length_exceeded") from None
         except QueueFull:
-            raise ApiError(429, "The server is at capacity: every cache slot is taken and the queue is full. "
+            raise ApiError(503, "The server is at capacity: every cache slot is taken and the queue is full. "
                                 "Retry after a moment.", type="server_busy", code="queue_full",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         reply = Reply.new(chat, self.model_name)
@@ -152,7 +154,7 @@ class Service:
                 parts.append(update.text)
                 calls.add(update.tool_calls)
                 if update.finish_reason:
-                    counts = usage(len(job.prompt_ids), len(job.generated))
+                    counts = usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)
                     return JSONResponse(reply.response("".join(parts), update.finish_reason, counts, calls.calls,
                                                        None if self.tokenizer else list(job.generated)))
             return Response(status_code=499)  # nobody is listening any more
@@ -175,7 +177,7 @@ class Service:
             yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids))
             if update.finish_reason:
                 if include_usage:
-                    yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated))))
+                    yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)))
                 break
         yield SSE_DONE
 

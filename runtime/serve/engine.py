@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 
+from ..cache import pages_for
 from ..interface import Model
 from ..requests import GenerationRequest, Update
 from ..step_loop import StepLoop
@@ -25,17 +26,23 @@ log = logging.getLogger("k2deploy.serve")
 class Engine:
     """model: any backend of the runtime interface; its cache holds max_batch slots of max_context positions."""
 
-    def __init__(self, model: Model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics):
+    def __init__(self, model: Model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics,
+                 max_total_tokens: int | None = None, prefix_cache: bool = True):
+        """max_context: positions one request may reach; max_total_tokens: the cache's page pool (default: every
+        slot at max_context)."""
         self.model = model
-        self.context = min(model.config.max_position_embeddings, max_context)  # positions per slot
-        self.loop = StepLoop(model, max_batch, self.context, max_queue, metrics)
+        self.context = min(model.config.max_position_embeddings, max_context)  # positions one request may reach
+        pages = pages_for(max_total_tokens) if max_total_tokens else None
+        self.loop = StepLoop(model, max_batch, self.context, max_queue, metrics, pages, prefix_cache)
         self.cache = self.loop.cache
         self.metrics = metrics
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="k2deploy-engine", daemon=True)
         metrics.slots.set(max_batch)
-        metrics.cache_tokens.set(max_batch * self.context)
+        metrics.pages.set(self.cache.pool.pages)
+        metrics.cache_tokens.set(self.cache.pool.pages * self.cache.page_size)
         metrics.cache_bytes.set(self.cache.nbytes)
+        self._observe()
 
     def start(self) -> None:
         self.thread.start()
@@ -85,3 +92,7 @@ class Engine:
         self.metrics.queue_depth.set(self.loop.scheduler.queue_depth())
         self.metrics.slots_used.set(len(held))
         self.metrics.cache_tokens_used.set(int(self.cache.lengths[held].sum()))
+        pool = self.cache.pool
+        self.metrics.pages_used.set(pool.used)
+        self.metrics.pages_free.set(pool.available)
+        self.metrics.pages_cached.set(pool.cached)

@@ -28,10 +28,19 @@ class ServerMetrics:
         self.slots = Gauge("k2deploy_cache_slots", "Cache slots (--max-batch)", registry=r)
         self.slots_used = Gauge("k2deploy_cache_slots_used", "Cache slots held by running requests (one each)",
                                 registry=r)
-        self.cache_tokens = Gauge("k2deploy_cache_tokens", "Token positions the cache holds (slots x context)",
-                                  registry=r)
+        self.cache_tokens = Gauge("k2deploy_cache_tokens", "Token positions the cache's page pool holds "
+                                  "(--max-total-tokens)", registry=r)
         self.cache_tokens_used = Gauge("k2deploy_cache_tokens_used", "Token positions filled in held slots",
                                        registry=r)
+        self.pages = Gauge("k2deploy_cache_pages", "Pages of the cache's pool", registry=r)
+        self.pages_used = Gauge("k2deploy_cache_pages_used", "Pages some running request holds", registry=r)
+        self.pages_free = Gauge("k2deploy_cache_pages_free", "Pages a request can take (free, or cached and "
+                                "held by none)", registry=r)
+        self.pages_cached = Gauge("k2deploy_cache_pages_cached", "Pages findable by their prefix", registry=r)
+        self.cached_prompt_tokens = Counter("k2deploy_prompt_tokens_cached", "Prompt tokens served from the "
+                                            "prefix cache (not prefilled)", registry=r)
+        self.preemptions = Counter("k2deploy_preemptions", "Requests preempted when the cache's pool ran out "
+                                   "(run again later; nothing lost)", registry=r)
         self.cache_bytes = Gauge("k2deploy_cache_bytes", "Bytes allocated for the latent cache", registry=r)
 
     def render(self) -> bytes:

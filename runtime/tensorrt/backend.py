@@ -18,9 +18,10 @@ import numpy as np
 
 from ...core.errors import K2Error
 from ...core.manifest import Manifest
-from ..cache import CacheView
+from ...core.cache_format import PAGE_SIZE
+from ..cache import Cache, SlotView, pages_for
 from .cuda import CudaRuntime, stream_handle
-from .device_cache import DeviceBuffer, DeviceLatentCache
+from .device_cache import DeviceBuffer, DevicePages
 from .environment import detect_gpu, require_tensorrt
 from .record import check_record, find_engines, read_record
 
@@ -112,12 +113,17 @@ class TrtModel:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def new_cache(self, batch: int, max_len: int) -> DeviceLatentCache:
-        if batch > self.max_batch or max_len > self.max_seq:
-            raise K2Error(f"batch {batch} x {max_len} positions exceeds the engines' profile ({self.max_batch} x "
-                          f"{self.max_seq}); rebuild with `k2deploy build-engines {self.manifest.root} --max-batch "
-                          f"{max(batch, self.max_batch)} --max-seq {max(max_len, self.max_seq)}`")
-        return DeviceLatentCache(self.kv_cache, self.num_layers, batch, max_len, self.cuda, self.stream)
+    def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
+        pages = pages or batch * pages_for(max_len)
+        most = self.max_batch * pages_for(self.max_seq)  # the engines' profile bounds the pool they take
+        if batch > self.max_batch or max_len > self.max_seq or pages > most:
+            need_batch = max(batch, self.max_batch)
+            need_seq = max(max_len, self.max_seq, -(-pages // need_batch) * PAGE_SIZE)
+            raise K2Error(f"batch {batch} x {max_len} positions over {pages} cache pages exceeds the engines' profile "
+                          f"({self.max_batch} x {self.max_seq}, {most} pages); rebuild with `k2deploy build-engines "
+                          f"{self.manifest.root} --max-batch {need_batch} --max-seq {need_seq}`")
+        store = DevicePages(self.kv_cache, self.num_layers, pages, self.cuda, self.stream)
+        return Cache(batch, max_len, pages, store, prefix_cache, self.manifest.digest.encode())
 
     def _run(self, pair, inputs: dict[str, tuple[tuple, int]], outputs: dict[str, int], profile: int) -> None:
         engine, context = pair
@@ -135,13 +141,14 @@ class TrtModel:
         if not context.execute_async_v3(stream_handle(self.stream)):
             raise K2Error("TensorRT failed to enqueue an engine (see its log above)")
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: CacheView) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
         """As OrtModel.forward: token_ids, positions, valid [b, s] -> hidden [b, s, m]; the view's slots gain the
         valid entries. Device-side from the embedding to the last layer; the host waits once, at the end."""
         b, s = token_ids.shape
         if b != len(view.slots) or s > self.max_seq:
             raise K2Error(f"batch {b} x {s} new positions does not fit the cache view ({len(view.slots)} rows) or "
                           f"the engines' profile (up to {self.max_seq} positions)")
+        entries = view.entries()
         started = time.perf_counter()
         profile = 1 if s == 1 else 0
         m = self.config.hidden_size
@@ -149,18 +156,16 @@ class TrtModel:
         self.cuda.to_device(self.positions.pointer, positions.astype(np.int64), self.stream)
         current, other = self.hidden
         self._run(self.embed, {"token_ids": ((b, s), self.ids.pointer)}, {"hidden": current.pointer}, profile)
-        past = int(positions[:, 0].max())
-        new_entries = view.new_entries(s)
+        new_entries = entries.new_entries(s)
         for layer, pair in enumerate(self.layers):
             inputs = {"hidden": ((b, s, m), current.pointer), "positions": ((b, s), self.positions.pointer),
-                      **view.past_inputs(layer, past)}
+                      **entries.past_inputs(layer)}
             self._run(pair, inputs, {"hidden_out": other.pointer, **new_entries}, profile)
-            view.store(layer, positions, valid)
+            entries.store(layer, positions, valid)
             current, other = other, current
         hidden = np.empty((b, s, m), dtype=np.float32)
         self.cuda.to_host(hidden, current.pointer, self.stream)
         self.cuda.synchronize(self.stream)
-        view.grow(positions, valid)
         self.stage_seconds["layers"] += time.perf_counter() - started
         return hidden
 

@@ -1,22 +1,19 @@
-"""The latent cache in device memory, and its view for one forward (`runtime.cache.Cache`'s contract), for the
+"""The latent cache's pages in device memory (`runtime.cache.EntryStore`), and their view for one forward, for the
 TensorRT engines.
 
-Layout as on the host (`kv_cache.LatentCache`), time-major: per array of the artifact's `CacheFormat`
-[layers, max_len, batch, width], so that the first `past` positions of a layer are one contiguous
-[past, batch, width] block, which an engine reads in place (each layer's block starts 256-byte aligned,
-as TensorRT wants its tensor addresses). Copies between positions and rows are cudaMemcpy2DAsync calls
-on the model's stream: a run of consecutive positions of one row is one 2-D copy (rows are
-`batch * token_bytes` bytes apart).
+Layout as on the host (`kv_cache.LatentPages`): per array of the artifact's `CacheFormat` [layers, pages,
+PAGE_SIZE, width], each layer's pool starting 256-byte aligned, as TensorRT wants its tensor addresses. An
+engine takes a layer's pool whole, in place, with the forward's page table (copied to the device once per
+forward) and gathers its rows' pages itself. New entries go from the layers' output buffers into their pages:
+a run of consecutive positions inside one page of one row is one copy.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from ...core.cache_format import CacheFormat
-from ..cache import Cache, CacheView, check_room
+from ...core.cache_format import PAGE_SIZE, CacheFormat
+from ..cache import CacheView, EntryStore
 
 
 ALIGN = 256  # TensorRT wants every tensor address 256-byte aligned (and non-null, even when empty)
@@ -50,23 +47,21 @@ class DeviceBuffer:
                 pass
 
 
-class DeviceLatentCache(Cache):
-    """Arrays [layers, max_len, batch, width] in device memory, zeroed; `lengths` [batch] on the host."""
+class DevicePages(EntryStore):
+    """Pools [layers, pages, PAGE_SIZE, width] per array in device memory, zeroed."""
 
-    def __init__(self, kv_cache: dict, layers: int, batch: int, max_len: int, cuda, stream):
-        super().__init__(batch)
+    def __init__(self, kv_cache: dict, layers: int, pages: int, cuda, stream):
         self.format = CacheFormat.from_manifest(kv_cache)
-        self.max_len, self.batch, self.cuda, self.stream = max_len, batch, cuda, stream
-        self.token_bytes = {spec.name: spec.token_bytes for spec in self.format.arrays}  # per token and row
-        # one layer's [max_len, batch, width] block per array, padded so that every layer starts 256-byte aligned
-        self.layer_bytes = {name: aligned(max_len * batch * w) for name, w in self.token_bytes.items()}
+        self.pages, self.cuda, self.stream = pages, cuda, stream
+        self.token_bytes = {spec.name: spec.token_bytes for spec in self.format.arrays}  # per token
+        # one layer's [pages, PAGE_SIZE, width] pool per array, padded so that every layer starts 256-byte aligned
+        self.layer_bytes = {name: aligned(pages * PAGE_SIZE * w) for name, w in self.token_bytes.items()}
         self.buffers = {name: DeviceBuffer(cuda, layers * size) for name, size in self.layer_bytes.items()}
         for buffer in self.buffers.values():
             cuda.memset(buffer.pointer, buffer.nbytes, stream)
         # a view's scratch, kept here so that the server's steps reuse it (it grows to the largest need seen)
-        # instead of allocating each step: where some slots' past is gathered, one layer at a time, and where the
-        # layers write their new entries
-        self.gathered = {name: DeviceBuffer(cuda) for name in self.token_bytes}
+        # instead of allocating each step: the page table, and where the layers write their new entries
+        self.table = DeviceBuffer(cuda)
         self.new = {name: DeviceBuffer(cuda) for name in self.token_bytes}
 
     @property
@@ -74,60 +69,53 @@ class DeviceLatentCache(Cache):
         return sum(b.nbytes for b in self.buffers.values())
 
     def layer_address(self, name: str, layer: int) -> int:
-        """Device address of position 0, row 0 of one layer's array."""
+        """Device address of page 0, position 0 of one layer's pool."""
         return self.buffers[name].pointer + layer * self.layer_bytes[name]
 
-    def view(self, slots: Sequence[int]) -> DeviceCacheView:
-        return DeviceCacheView(self, slots)
+    def view(self, page_table: np.ndarray) -> DevicePagesView:
+        return DevicePagesView(self, page_table)
 
 
-class DeviceCacheView(CacheView):
-    """Some slots of a DeviceLatentCache, in the order of one forward's batch; its inputs are (shape, device
-    address) pairs, its outputs device addresses.
+class DevicePagesView(CacheView):
+    """Rows of a DevicePages through their page table; its inputs are (shape, device address) pairs, its outputs
+    device addresses."""
 
-    An engine reads a layer's past as one contiguous [past, rows, width] block: the whole cache in order is
-    read in place, else the slots' past is gathered into scratch before each layer (one 2-D copy per slot and
-    array). New entries go from the layers' output buffers straight to their slots.
-    """
+    def __init__(self, store: DevicePages, page_table: np.ndarray):
+        super().__init__(page_table)
+        self.pages = store
+        self.table_address = store.table.ensure(self.page_table.nbytes)
+        if self.page_table.size:
+            store.cuda.to_device(self.table_address, self.page_table, store.stream)
 
-    cache: DeviceLatentCache
-
-    def past_inputs(self, layer: int, past: int) -> dict[str, tuple[tuple[int, ...], int]]:
-        return {f"past_{spec.name}": ((past, len(self.slots), spec.width), self._past_address(spec.name, layer, past))
-                for spec in self.cache.format.arrays}
-
-    def _past_address(self, name: str, layer: int, past: int) -> int:
-        cache, width, rows = self.cache, self.cache.token_bytes[name], len(self.slots)
-        if self.whole:
-            return cache.layer_address(name, layer)
-        scratch = cache.gathered[name].ensure(past * rows * width)
-        if past:
-            for row, slot in enumerate(self.slots):
-                cache.cuda.copy_2d(scratch + row * width, rows * width,
-                                   cache.layer_address(name, layer) + int(slot) * width, cache.batch * width,
-                                   width, past, cache.stream)
-        return scratch
+    def past_inputs(self, layer: int) -> dict[str, tuple[tuple[int, ...], int]]:
+        store = self.pages
+        inputs = {"page_table": (self.page_table.shape, self.table_address)}
+        for spec in store.format.arrays:
+            inputs[f"{spec.name}_pages"] = ((store.pages, PAGE_SIZE, spec.width), store.layer_address(spec.name, layer))
+        return inputs
 
     def new_entries(self, seq: int) -> dict[str, int]:
-        return {f"new_{name}": self.cache.new[name].ensure(len(self.slots) * seq * width)
-                for name, width in self.cache.token_bytes.items()}
+        rows = len(self.page_table)
+        return {f"new_{name}": self.pages.new[name].ensure(rows * seq * width)
+                for name, width in self.pages.token_bytes.items()}
 
     def store(self, layer: int, positions: np.ndarray, valid: np.ndarray) -> None:
-        cache = self.cache
-        check_room(positions, valid, cache.max_len)
+        store = self.pages
         s = positions.shape[1]
-        for row, slot in enumerate(self.slots):
+        for row in range(len(self.page_table)):
             steps = np.flatnonzero(valid[row])
             if not steps.size:
                 continue
-            # runs of consecutive steps at consecutive positions: one 2-D copy each
-            breaks = np.flatnonzero((np.diff(steps) != 1) | (np.diff(positions[row, steps]) != 1)) + 1
-            for run in np.split(steps, breaks):
-                first, count, position = int(run[0]), len(run), int(positions[row, run[0]])
-                for name, width in cache.token_bytes.items():
-                    dst = cache.layer_address(name, layer) + (position * cache.batch + int(slot)) * width
-                    src = cache.new[name].pointer + (row * s + first) * width
-                    cache.cuda.copy_2d(dst, cache.batch * width, src, width, width, count, cache.stream)
+            at = positions[row, steps]
+            # runs of consecutive steps at consecutive positions inside one page: one copy each
+            breaks = np.flatnonzero((np.diff(steps) != 1) | (np.diff(at) != 1) | (np.diff(at // PAGE_SIZE) != 0)) + 1
+            for run in np.split(np.arange(len(steps)), breaks):
+                first, count, position = int(steps[run[0]]), len(run), int(at[run[0]])
+                slot = int(self.page_table[row, position // PAGE_SIZE]) * PAGE_SIZE + position % PAGE_SIZE
+                for name, width in store.token_bytes.items():
+                    dst = store.layer_address(name, layer) + slot * width
+                    src = store.new[name].pointer + (row * s + first) * width
+                    store.cuda.copy_2d(dst, width, src, width, width, count, store.stream)
 
 
-__all__ = ["DeviceBuffer", "DeviceCacheView", "DeviceLatentCache"]
+__all__ = ["DeviceBuffer", "DevicePages", "DevicePagesView"]

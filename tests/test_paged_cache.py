@@ -1,0 +1,193 @@
+"""The paged latent cache: its pool's bookkeeping, prefix reuse that changes no token or logit, a prefix evicted
+partway, a request preempted when the pool runs out and run again, and the server's account of it."""
+
+import numpy as np
+import pytest
+
+from k2deploy.core.cache_format import PAGE_SIZE
+from k2deploy.core.errors import K2Error
+from k2deploy.runtime.page_pool import PagePool, PoolFull, chain_hashes
+
+
+def _prompt(length, seed):
+    return (np.random.default_rng(seed).integers(3, 1000, length)).tolist()
+
+
+def test_a_pool_reuses_the_longest_cached_chain_and_evicts_least_recently_released_first():
+    pool = PagePool(4, page_size=2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = chain_hashes(tokens, 2, b"artifact")
+    assert len(hashes) == 3 and chain_hashes([9, 2, 3, 4], 2, b"artifact")[1] != hashes[1]  # a hash names its prefix
+    assert chain_hashes(tokens, 2, b"other")[0] != hashes[0]  # and its artifact
+    pages = [pool.take() for _ in range(3)]
+    for page, digest in zip(pages, hashes):
+        pool.publish(page, digest)
+    assert pool.reuse(hashes) == pages and pool.holders[pages[0]] == 2  # a second holder, read-only
+    pool.drop(pages)
+    pool.drop(pages[::-1])  # released tail first
+    assert pool.used == 0 and pool.available == 4 and pool.cached == 3
+    assert pool.take() not in pages  # the free page goes before any cached one
+    assert pool.take() == pages[2]  # then the least recently released: the chain's tail
+    assert pool.reuse(hashes) == pages[:2]  # the head is still found
+    with pytest.raises(PoolFull, match="all in use"):
+        pool.take()
+    pool.forget()
+    assert pool.cached == 0 and pool.reuse(hashes) == []
+
+
+@pytest.fixture(scope="module")
+def models(tiny_artifacts, tiny_cpu_artifact):
+    pytest.importorskip("onnxruntime")
+    from k2deploy.core.manifest import load_manifest
+    from k2deploy.runtime.ort_backend import OrtModel
+
+    return {name: OrtModel(load_manifest(path)) for name, path in
+            (("fp8", tiny_artifacts["fp8"]), ("bf16", tiny_artifacts["bf16"]), ("cpu", tiny_cpu_artifact))}
+
+
+def _prefill(model, cache, slot, prompt):
+    """Admits a prompt into a slot (reusing what the cache finds) and prefills the rest -> (reused, last logits)."""
+    from k2deploy.runtime.batch_forward import BatchForward
+
+    reused = cache.admit(slot, prompt)
+    return reused, BatchForward(model, cache).prefill([slot], [prompt[reused:]])[0]
+
+
+def _without_reuse(model, prompt, split):
+    """The prompt's last logits on a cache without reuse, prefilled as a reusing request is: the first `split`
+    tokens in one forward (into the cache, in its format), the rest in the next."""
+    from k2deploy.runtime.batch_forward import BatchForward
+
+    cache = model.new_cache(1, 1024, prefix_cache=False)
+    assert cache.admit(0, prompt) == 0
+    BatchForward(model, cache).prefill([0], [prompt[:split]])
+    return BatchForward(model, cache).prefill([0], [prompt[split:]])[0]
+
+
+def _agree(name, logits, expected):
+    """Float rounding where the cache stores floats (bf16); where it stores codes (fp8, the cpu target's int8),
+    a value rounded apart in the two prefixes' forwards can land on the next code: the same greedy token."""
+    if name == "bf16":
+        np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-4)
+    else:
+        assert logits.argmax() == expected.argmax()
+        np.testing.assert_allclose(logits, expected, atol=5e-2)
+
+
+@pytest.mark.parametrize("name", ["fp8", "bf16", "cpu"])
+def test_a_reused_prefix_gives_the_logits_its_prefill_does(models, name):
+    model = models[name]
+    shared = _prompt(3 * PAGE_SIZE + 10, seed=1)
+    first, second = shared + _prompt(7, seed=2), shared + _prompt(30, seed=3)
+    cache = model.new_cache(2, 512)
+    assert _prefill(model, cache, 0, first)[0] == 0
+    cache.release(0)
+    reused, logits = _prefill(model, cache, 1, second)
+    assert reused == 3 * PAGE_SIZE  # the shared full pages; the partial fourth is prefilled again
+    _agree(name, logits, _without_reuse(model, second, reused))
+
+
+def test_a_prefix_evicted_partway_reuses_its_head_and_gives_the_same_logits(models):
+    model = models["bf16"]
+    prompt = _prompt(4 * PAGE_SIZE + 5, seed=4)
+    cache = model.new_cache(2, 1024, pages=6)
+    _prefill(model, cache, 0, prompt)  # 5 pages: 4 full (cached once released), 1 partial (free once released)
+    cache.release(0)
+    _prefill(model, cache, 1, _prompt(3 * PAGE_SIZE + 1, seed=5))  # 4 pages: the 2 free ones, then 2 evicted
+    cache.release(1)
+    assert cache.pool.evicted == 2
+    reused, logits = _prefill(model, cache, 0, prompt)
+    assert reused == 2 * PAGE_SIZE  # the tail went first: the first two pages are still there
+    _agree("bf16", logits, _without_reuse(model, prompt, reused))
+
+
+def _requests(prompts, new_tokens):
+    from k2deploy.runtime.requests import GenerationRequest
+    from k2deploy.runtime.sampling import SamplingParams
+
+    return [GenerationRequest(list(p), SamplingParams(max_new_tokens=new_tokens), (), None, lambda update: None, row=i)
+            for i, p in enumerate(prompts)]
+
+
+def test_a_request_preempted_when_the_pool_runs_out_generates_what_it_would_alone(models):
+    from k2deploy.runtime.step_loop import StepLoop
+
+    model = models["bf16"]
+    prompts = [_prompt(PAGE_SIZE - 8, seed=6), _prompt(PAGE_SIZE - 4, seed=7)]
+    alone = []
+    for prompt in prompts:
+        loop = StepLoop(model, 1, 1024, max_queue=0)
+        (request,) = _requests([prompt], 40)
+        loop.submit(request)
+        loop.run_until_done()
+        alone.append(request.generated)
+    loop = StepLoop(model, 2, 1024, max_queue=4, pages=3)  # both fit one page at first; not two each
+    requests = _requests(prompts, 40)
+    for request in requests:
+        loop.submit(request)
+    loop.run_until_done()
+    assert requests[1].preempted >= 1 and requests[0].preempted == 0  # the newest gives its pages back
+    assert [r.generated for r in requests] == alone
+    assert all(r.finish_reason == "length" and r.error is None for r in requests)
+
+
+def test_a_request_that_alone_outgrows_the_pool_ends_with_length(models):
+    from k2deploy.runtime.step_loop import StepLoop
+
+    loop = StepLoop(models["bf16"], 1, 1024, max_queue=0, pages=1)
+    (request,) = _requests([_prompt(PAGE_SIZE - 2, seed=8)], 20)
+    loop.submit(request)
+    loop.run_until_done()
+    # the prompt fills positions 0-61, the first two tokens 62 and 63; the third has no room left to run
+    assert request.finish_reason == "length" and len(request.generated) == 3 and request.error is None
+
+
+def test_a_prompt_over_the_context_or_the_whole_pool_is_refused(models):
+    from k2deploy.runtime.step_loop import StepLoop
+
+    loop = StepLoop(models["bf16"], 2, 100, max_queue=4, pages=1)
+    with pytest.raises(K2Error, match="past the context of 100 positions"):
+        loop.submit(_requests([_prompt(100, seed=9)], 1)[0])
+    with pytest.raises(K2Error, match=r"more than the whole cache holds \(64 tokens\)"):
+        loop.submit(_requests([_prompt(70, seed=9)], 1)[0])
+
+
+def test_generate_reuses_a_prefix_its_prompts_share(models):
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.sampling import SamplingParams
+
+    shared = _prompt(2 * PAGE_SIZE, seed=10)
+    prompts = [shared + _prompt(5, seed=11), shared + _prompt(9, seed=12)]
+    generator = Generator(models["bf16"])
+    together = generator.generate(prompts, SamplingParams(max_new_tokens=6))
+    separate = [generator.generate([p], SamplingParams(max_new_tokens=6))[0] for p in prompts]
+    assert [g.token_ids for g in together] == [g.token_ids for g in separate]
+    assert [g.cached_tokens for g in together] == [0, 2 * PAGE_SIZE]
+
+
+def test_the_server_reports_cached_prompt_tokens_and_refuses_a_prompt_over_the_pool(tiny_artifacts, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from serving import MODEL, Server
+
+    server = Server(tiny_artifacts["fp8"], tmp_path, "--max-batch", "2", "--max-total-tokens", "512")
+    try:
+        assert "cache pool 512 tokens in 8 pages of 64" in server.stdout_path.read_text()
+        shared = _prompt(3 * PAGE_SIZE + 20, seed=13)
+        usages = []
+        for tail in (_prompt(5, seed=14), _prompt(8, seed=15)):
+            body = {"model": MODEL, "prompt": shared + tail, "max_tokens": 3, "temperature": 0}
+            reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+            usages.append(reply.json()["usage"])
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 3 * PAGE_SIZE]
+        assert server.metric("k2deploy_prompt_tokens_cached_total") == 3 * PAGE_SIZE
+        assert server.metric("k2deploy_cache_pages") == 8 and server.metric("k2deploy_cache_pages_cached") >= 3
+        too_long = {"model": MODEL, "prompt": _prompt(600, seed=16), "max_tokens": 1}
+        refused = httpx.post(f"{server.url}/v1/completions", json=too_long, timeout=60)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "context_length_exceeded" and "the whole cache holds (512 tokens)" in error["message"]
+        assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200  # still serving
+    finally:
+        server.stop()
