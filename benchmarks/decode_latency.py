@@ -376,21 +376,23 @@ class LayerGraph:
     def __init__(self, onnx_path: Path, kv_cache: dict, context: int, threads: int, seed: int):
         import onnxruntime as ort
 
-        from k2deploy.runtime.kv_cache import LatentCache
+        from k2deploy.core.cache_format import PAGE_SIZE
+        from k2deploy.runtime.kv_cache import LatentPages
         from k2deploy.runtime.thread_pool import session_options
 
         self.ort = ort
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
         rng = np.random.default_rng(seed)
-        cache = LatentCache(kv_cache, 1, 1, context + 1)
-        latent = cache.arrays["latent"]
-        codes = rng.integers(28, 228, latent.shape) if cache.format.name == "int8" else \
+        pages = -(-(context + 1) // PAGE_SIZE)
+        store = LatentPages(kv_cache, 1, pages)
+        latent = store.arrays["latent"]
+        codes = rng.integers(28, 228, latent.shape) if store.format.name == "int8" else \
             rng.integers(0, 1 << (8 * latent.itemsize), latent.shape) & 0x3F3F
         latent[:] = codes.astype(latent.dtype)  # finite codes of every format
-        cache.arrays["rope"][:] = rng.standard_normal(cache.arrays["rope"].shape).astype(np.float16)
-        if "latent_scale" in cache.arrays:
-            cache.arrays["latent_scale"][:] = 1 / 100
-        self.cache = cache.view([0])
+        store.arrays["rope"][:] = rng.standard_normal(store.arrays["rope"].shape).astype(np.float16)
+        if "latent_scale" in store.arrays:
+            store.arrays["latent_scale"][:] = 1 / 100
+        self.cache = store.view(np.arange(pages)[None])  # one row holding every page
         self.context = context
         self.positions = np.array([[context]], dtype=np.int64)
 
@@ -399,7 +401,7 @@ class LayerGraph:
         binding = self.session.io_binding()
         binding.bind_cpu_input("hidden", hidden)
         binding.bind_cpu_input("positions", self.positions)
-        for name, value in self.cache.past_inputs(0, self.context).items():
+        for name, value in self.cache.past_inputs(0).items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output("hidden_out", self.ort.OrtValue.ortvalue_from_numpy(np.empty_like(hidden)))
         for name, value in self.cache.new_entries(1).items():
@@ -482,11 +484,13 @@ def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tok
     import tempfile
 
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.kv_cache import LatentCache
+    from k2deploy.core.cache_format import PAGE_SIZE
+    from k2deploy.runtime.kv_cache import LatentPages
 
     manifest = load_manifest(artifact, verify_hashes=False)
     weights = sum(r["bytes"] for f, r in manifest.data["files"].items() if f.endswith(".data"))
-    cache = LatentCache(manifest.kv_cache, manifest.config.num_hidden_layers, 1, prompt_len + new_tokens).nbytes
+    pages = -(-(prompt_len + new_tokens) // PAGE_SIZE)
+    cache = LatentPages(manifest.kv_cache, manifest.config.num_hidden_layers, pages).nbytes
     prompt = ",".join(str(i % 1000 + 1) for i in range(prompt_len))
     command = [sys.executable, "-m", "k2deploy", "generate",
                str(artifact), "--prompt-ids", prompt, "--max-new-tokens", str(new_tokens), "--threads", str(threads),

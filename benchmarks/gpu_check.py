@@ -381,6 +381,11 @@ def random_layer(torch, device, seed: int = 0):
     for name, buffer in layer.named_buffers():  # buffers, not parameters: no autograd here
         if name.endswith("rotary.frequencies"):
             continue  # computed from the config
+        if name == "e4m3_values":  # the value of each e4m3 bit pattern, for the fp8 cache's pages
+            from k2deploy.plugins.fp8 import E4M3_VALUES
+
+            buffer.copy_(torch.from_numpy(E4M3_VALUES))
+            continue
         if buffer.dtype == torch.uint8:  # e4m3 bits of the routed experts
             buffer.random_(0, 126, generator=g)
             buffer.bitwise_or_(torch.randint(0, 2, buffer.shape, generator=g, dtype=torch.uint8, device=device) << 7)
@@ -396,13 +401,18 @@ def random_layer(torch, device, seed: int = 0):
 
 
 def fp8_cache(torch, layer, batch: int, context: int, device):
-    """A full FP8 latent cache of `context` tokens for `batch` rows, time-major as the runtime holds it:
-    (past_latent, past_rope, past_latent_scale)."""
+    """A full FP8 latent cache of `context` tokens for `batch` rows, paged as the runtime holds it: (page_table
+    [batch, n], latent_pages [pages, PAGE_SIZE, c] as e4m3 bits, rope_pages, latent_scale_pages)."""
+    from k2deploy.core.cache_format import PAGE_SIZE
+
     c = layer.config
-    bits = torch.randint(0, 126, (context, batch, c.kv_lora_rank), dtype=torch.uint8, device=device)
-    scale = torch.full((context, batch, layer.cache.scales_per_token), 1e-2, device=device)
-    rope = torch.randn(context, batch, c.qk_rope_head_dim, device=device).half()
-    return bits.view(torch.float8_e4m3fn), rope, scale
+    n = -(-context // PAGE_SIZE)
+    pages = batch * n
+    table = torch.arange(pages, device=device).view(batch, n)
+    bits = torch.randint(0, 126, (pages, PAGE_SIZE, c.kv_lora_rank), dtype=torch.uint8, device=device)
+    scale = torch.full((pages, PAGE_SIZE, layer.cache.scales_per_token), 1e-2, device=device)
+    rope = torch.randn(pages, PAGE_SIZE, c.qk_rope_head_dim, device=device).half()
+    return table, bits, rope, scale
 
 
 def time_moe_layer(report: Report, torch, device, plan: dict) -> None:

@@ -61,11 +61,11 @@ def ensure_artifact(work: Path, preset: str) -> Path:
 class Server:
     """`python -m k2deploy serve` on a free port of 127.0.0.1, its output in files under `logs`."""
 
-    def __init__(self, artifact: Path, logs: Path, max_batch: int, threads: int | None):
+    def __init__(self, artifact: Path, logs: Path, max_batch: int, threads: int | None, extra: list[str]):
         logs.mkdir(parents=True, exist_ok=True)
         self.stdout_path, self.stderr_path = logs / "serve.stdout", logs / "serve.stderr"
         command = [sys.executable, "-m", "k2deploy", "serve", str(artifact), "--port", "0", "--max-batch",
-                   str(max_batch), "--max-queue", "256", "--log-level", "warning"]
+                   str(max_batch), "--max-queue", "256", "--log-level", "warning", *extra]
         if threads:
             command += ["--threads", str(threads)]
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
@@ -153,6 +153,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16, help="default: 16")
     parser.add_argument("--threads", type=int, help="the server's intra-op threads (default: ONNX Runtime's)")
     parser.add_argument("--seed", type=int, default=0, help="for the random prompts (default: 0)")
+    parser.add_argument("--serve-args", default="",
+                        help="more `serve` options, e.g. \"--max-context 131072 --max-total-tokens 65536\" "
+                             "(--max-batch is the largest concurrency unless given here)")
+    parser.add_argument("--then-prompt-tokens", type=int, default=0,
+                        help="after the levels, one request with a prompt of this many tokens (default: none)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -161,14 +166,24 @@ def main() -> None:
     vocab = json.loads((artifact / "manifest.json").read_text())["model_config"]["vocab_size"]
     rng = np.random.default_rng(args.seed)
     log(f"starting the server on {artifact}")
-    server = Server(artifact, args.work / "logs", max_batch=max(levels), threads=args.threads)
+    batch_option = argparse.ArgumentParser(add_help=False)
+    batch_option.add_argument("--max-batch", type=int)
+    known, extra = batch_option.parse_known_args(args.serve_args.split())
+    server = Server(artifact, args.work / "logs", max_batch=known.max_batch or max(levels), threads=args.threads,
+                    extra=extra)
+    long_prompt = None
     try:
+        log(open(server.stdout_path).read().strip())
         asyncio.run(warm_up(server.url, server.model, rng.integers(0, vocab - 256, args.prompt_tokens).tolist()))
         results = []
         for concurrency in levels:
             prompts = rng.integers(0, vocab - 256, (max(concurrency, args.requests), args.prompt_tokens)).tolist()
             log(f"{concurrency} concurrent client(s), {len(prompts)} requests")
             results.append(asyncio.run(run_level(server.url, server.model, prompts, concurrency, args.max_tokens)))
+        if args.then_prompt_tokens:
+            log(f"then one prompt of {args.then_prompt_tokens} tokens")
+            prompt = rng.integers(0, vocab - 256, (1, args.then_prompt_tokens)).tolist()
+            long_prompt = asyncio.run(run_level(server.url, server.model, prompt, 1, args.max_tokens))
     finally:
         server.stop()
     sequential = next((r["tokens_per_s"] for r in results if r["concurrency"] == 1), None)
@@ -176,7 +191,7 @@ def main() -> None:
         r["speedup_vs_sequential"] = round(r["tokens_per_s"] / sequential, 2) if sequential else None
     report = {"artifact": str(artifact), "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
               "cpu": cpu_model(), "cpus": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
-              "levels": results}
+              "serve_args": args.serve_args, "levels": results, "long_prompt": long_prompt}
     if args.json:
         print(json.dumps(report, indent=2))
         return
@@ -188,6 +203,9 @@ def main() -> None:
         print(f"{r['concurrency']:>7} {r['requests']:>8} {r['completion_tokens']:>6} {r['wall_s']:>7.1f} "
               f"{r['tokens_per_s']:>7.2f} {r['ttft_p50_s']:>7.2f}s {r['ttft_p99_s']:>7.2f}s "
               f"{r['speedup_vs_sequential'] or float('nan'):>7.2f}x")
+    if long_prompt:
+        print(f"then a prompt of {args.then_prompt_tokens} tokens: {long_prompt['completion_tokens']} tokens, time to "
+              f"first token {long_prompt['ttft_p50_s']:.2f} s, done in {long_prompt['wall_s']:.1f} s")
 
 
 if __name__ == "__main__":

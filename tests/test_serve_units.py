@@ -118,35 +118,31 @@ def test_options_are_checked_strictly():
 
 
 def test_a_cache_view_runs_some_slots_as_a_cache_of_their_own(tiny_artifacts):
-    """A prompt prefilled and decoded through slot 2 of a 4-slot cache gives the logits and cache entries it
-    gives in a cache of its own, and leaves the other slots alone."""
+    """A prompt prefilled and decoded through slot 2 of a 4-slot cache, whose pages are not the first ones, gives
+    the logits and cache entries it gives in a cache of its own, and leaves the other pages alone."""
     from k2deploy.core.manifest import load_manifest
+    from k2deploy.runtime.batch_forward import BatchForward
     from k2deploy.runtime.ort_backend import OrtModel
 
     model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=1)
-    prompt = np.array([[5, 17, 300, 42, 9]], dtype=np.int64)
-    positions = np.arange(5, dtype=np.int64)[None]
-    valid = np.ones_like(prompt, dtype=bool)
+    prompt = [5, 17, 300, 42, 9]
 
     own = model.new_cache(1, 16)
-    own_logits = [model.logits(model.forward(prompt, positions, valid, own.view([0])))[0, -1]]
-    own_logits.append(model.logits(model.forward(np.array([[7]]), np.array([[5]]), np.ones((1, 1), bool),
-                                                 own.view([0])))[0, 0])
+    run = BatchForward(model, own)
+    own_logits = [run.prefill([0], [prompt])[0], run.decode([0], np.array([7]))[0]]
 
     shared = model.new_cache(4, 16)
-    shared.arrays["latent"][:] = 1  # stale entries of other slots must not leak in
-    view = shared.view([2])
-    shared_logits = [model.logits(model.forward(prompt, positions, valid, view))[0, -1]]
-    view.commit()
-    view = shared.view([2])
-    shared_logits.append(model.logits(model.forward(np.array([[7]]), view.lengths[:, None].copy(),
-                                                    np.ones((1, 1), bool), view))[0, 0])
-    view.commit()
+    shared.store.arrays["latent"][:] = 1  # stale entries of other pages must not leak in
+    shared.reserve([0, 1], [16, 16])  # slot 2's page is not page 0
+    run = BatchForward(model, shared)
+    shared_logits = [run.prefill([2], [prompt])[0], run.decode([2], np.array([7]))[0]]
     np.testing.assert_array_equal(own_logits, shared_logits)
-    assert own.lengths.tolist() == [0]  # a forward alone does not advance the cache: its view's commit does
-    assert shared.lengths.tolist() == [0, 0, 6, 0]
-    np.testing.assert_array_equal(shared.arrays["latent"][:, :6, 2], own.arrays["latent"][:, :6, 0])
-    assert (shared.arrays["latent"][:, :, [0, 1, 3]] == 1).all()
+    assert shared.lengths.tolist() == [0, 0, 6, 0] and own.lengths.tolist() == [6]
+    (page,), (own_page,) = shared.tables[2], own.tables[0]
+    assert page == 2
+    np.testing.assert_array_equal(shared.store.arrays["latent"][:, page, :6], own.store.arrays["latent"][:, own_page, :6])
+    others = [p for p in range(shared.pool.pages) if p != page]
+    assert (shared.store.arrays["latent"][:, others] == 1).all()
 
 
 def test_serve_registers_on_the_main_parser():

@@ -35,7 +35,7 @@ def _importable(module: str) -> bool:
 
 
 TRT_TYPES = {"FLOAT": "float32", "INT64": "int64", "BOOL": "bool", "FLOAT16": "float16", "BFLOAT16": "bfloat16",
-             "FLOAT8E4M3FN": "fp8"}  # manifest dtype -> tensorrt's DataType attribute
+             "FLOAT8E4M3FN": "fp8", "UINT8": "uint8"}  # manifest dtype -> tensorrt's DataType attribute
 
 
 def check_engine_io(trt, engine, stem: str, graph: dict, root) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 MAGIC = b"K2STANDINPLAN\n"
-NUMPY = {1: np.float32, 7: np.int64, 9: np.bool_, 10: np.float16, 16: np.uint16, 17: np.uint8}  # ONNX elem type
+NUMPY = {1: np.float32, 2: np.uint8, 7: np.int64, 9: np.bool_, 10: np.float16, 16: np.uint16, 17: np.uint8}  # ONNX elem type
 
 
 class Logger:
@@ -179,7 +179,7 @@ class _Engine:
 
         self.profiles, self.model_bytes, self.session = profiles, model_bytes, None
         graph = onnx.load_from_string(model_bytes).graph
-        types = {1: trt.float32, 7: trt.int64, 9: trt.bool, 10: trt.float16, 16: trt.bfloat16, 17: trt.fp8}
+        types = {1: trt.float32, 2: trt.uint8, 7: trt.int64, 9: trt.bool, 10: trt.float16, 16: trt.bfloat16, 17: trt.fp8}
         self.io = {v.name: types[16 if v.doc_string == "bf16" else v.type.tensor_type.elem_type]
                    for v in [*graph.input, *graph.output]}
 
@@ -251,5 +251,5 @@ class _Context:
 
 def _elem_type(session, name):
     kind = next(v.type for v in session.get_inputs() if v.name == name)  # "tensor(float8e4m3fn)" and the like
-    return {"tensor(float)": 1, "tensor(int64)": 7, "tensor(bool)": 9, "tensor(float16)": 10,
+    return {"tensor(float)": 1, "tensor(uint8)": 2, "tensor(int64)": 7, "tensor(bool)": 9, "tensor(float16)": 10,
             "tensor(bfloat16)": 16, "tensor(float8e4m3fn)": 17}[kind]
