@@ -18,7 +18,7 @@ MIN_PREFILL_CHUNK = 64  # fewer rows prefill together rather than each with a ch
 # the largest float32 attention scores [rows, s * heads, keys] one prefill forward may make: the chunk shrinks as
 # the context grows, so that a prefill's transient memory stays flat however long the prompt (the attention
 # holds a few tensors of this size at once)
-ATTENTION_SCORES_BYTES = 32 << 20
+ATTENTION_SCORES_BYTES = 16 << 20
 LIVE_SCORE_TENSORS = 4  # score-sized tensors the attention holds at once (scores, masked, probabilities, quantised)
 
 

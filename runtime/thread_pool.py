@@ -19,6 +19,7 @@ import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
 from ..core.errors import K2Error
+from .memory_arena import use_shared_arena
 
 _pool_threads: int | None = None  # the size of this process's pool once it is made
 
@@ -66,10 +67,11 @@ def process_threads(threads: int | None = None, share: int = 1) -> int:
 
 
 def session_options(threads: int | None = None, share: int = 1) -> ort.SessionOptions:
-    """Options for a session that runs on the process's one pool (made here on first use)."""
+    """Options for a session that runs on the process's one pool (made here on first use) and draws its memory
+    from the process's one arena (runtime/memory_arena.py)."""
     process_threads(threads, share)
     options = ort.SessionOptions()
     options.use_per_session_threads = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    return options
+    return use_shared_arena(options)

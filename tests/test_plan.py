@@ -84,10 +84,10 @@ def test_one_boundary_crosses_the_hosts_carrying_the_float32_hidden_state(k2_on_
 
 def test_activations_follow_the_stated_estimate(k2_on_two_hosts):
     # batch x chunk 512 x float32 x (4 hidden buffers + widest intermediate: 2 x 2048 x (8 chosen + 1 shared)
-    # = 2 x 18432 dense = 36864), plus the attention's workspace (4 score tensors of at most 32 MiB, whatever the
+    # = 2 x 18432 dense = 36864), plus the attention's workspace (4 score tensors of at most 16 MiB, whatever the
     # context), plus batch x vocab float32 logits on the last stage
     rows = k2_on_two_hosts["per_device"]
-    base = 8 * 512 * 4 * (4 * 7168 + 36864) + 4 * 32 * 2**20
+    base = 8 * 512 * 4 * (4 * 7168 + 36864) + 4 * 16 * 2**20
     assert [r["activation_bytes"] for r in rows] == [base] * 15 + [base + 8 * 163840 * 4]
 
 
