@@ -8,7 +8,8 @@ Chats run one after another on one cache; each turn's prompt is the system promp
 message and the answer the model gave) and a new user message of --user tokens; the answer is --answer greedy
 tokens. Rounds alternate the two settings, so the machine's noise falls on both; the table gives the median time
 to first token per chat and turn, its ratio to the same request without reuse and to the first chat's first
-turn, and the prompt tokens served from the cache (`usage.prompt_tokens_details.cached_tokens` in the server).
+turn, the prompt tokens served from the cache (`usage.prompt_tokens_details.cached_tokens` in the server), and
+whether every run, with reuse and without, generated the same tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def chats(model, prefix_cache: bool, system: list[int], users: list[list[list[in
             loop.run_until_done()
             requests.append({"chat": chat + 1, "turn": turn + 1, "prompt_tokens": len(prompt),
                              "cached_tokens": request.cached_prompt_tokens,
-                             "ttft_ms": (request.first_token_at - request.arrived_at) * 1e3})
+                             "ttft_ms": (request.first_token_at - request.arrived_at) * 1e3,
+                             "tokens": list(request.generated)})
             history = prompt + request.generated
     return requests
 
@@ -70,10 +72,11 @@ def main() -> None:
     first = statistics.median(run[0]["ttft_ms"] for run in runs[True])
     for index, request in enumerate(runs[True][0]):
         ttft = {reuse: statistics.median(run[index]["ttft_ms"] for run in runs[reuse]) for reuse in runs}
-        rows.append(request | {"ttft_ms": None, "ttft_ms_reuse": round(ttft[True], 1), "ttft_ms_none": round(ttft[False], 1),
-                               "reuse_to_none": round(ttft[True] / ttft[False], 3),
-                               "reuse_to_first": round(ttft[True] / first, 3)})
-        del rows[-1]["ttft_ms"]
+        same = all(run[index]["tokens"] == runs[False][0][index]["tokens"] for reuse in runs for run in runs[reuse])
+        rows.append({key: request[key] for key in ("chat", "turn", "prompt_tokens", "cached_tokens")}
+                    | {"ttft_ms_reuse": round(ttft[True], 1), "ttft_ms_none": round(ttft[False], 1),
+                       "reuse_to_none": round(ttft[True] / ttft[False], 3), "reuse_to_first": round(ttft[True] / first, 3),
+                       "same_tokens": same})
     doc = {"artifact": args.artifact, "threads": model.threads, "system_tokens": args.system, "rounds": args.rounds,
            "requests": rows}
     if args.json:
@@ -81,10 +84,11 @@ def main() -> None:
         return
     print(f"{args.artifact}: system prompt {args.system} tokens, {args.chats} chats of {args.turns} turns, "
           f"{model.threads} threads, median of {args.rounds} rounds")
-    print("chat  turn  prompt  cached  ttft reuse ms  ttft none ms  reuse/none  reuse/first chat")
+    print("chat  turn  prompt  cached  ttft reuse ms  ttft none ms  reuse/none  reuse/first chat  same tokens")
     for r in rows:
         print(f"{r['chat']:>4}  {r['turn']:>4}  {r['prompt_tokens']:>6}  {r['cached_tokens']:>6}  "
-              f"{r['ttft_ms_reuse']:>13}  {r['ttft_ms_none']:>12}  {r['reuse_to_none']:>10}  {r['reuse_to_first']:>16}")
+              f"{r['ttft_ms_reuse']:>13}  {r['ttft_ms_none']:>12}  {r['reuse_to_none']:>10}  {r['reuse_to_first']:>16}  "
+              f"{str(r['same_tokens']):>11}")
 
 if __name__ == "__main__":
     main()

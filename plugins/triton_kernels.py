@@ -370,7 +370,7 @@ def mla_attention(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, 
 
 def mla_decode_fp8(q_nope, q_pe, latent, latent_scale, rope, kv_b_weight, lengths, nope_dim: int, v_dim: int,
                    softmax_scale: float):
-    """Absorbed attention over the FP8 latent cache, time-major as the runtime holds it.
+    """Absorbed attention over the FP8 latent cache, time-major as the layer gathers it from its pages.
 
     q_nope [b, s, h, d], q_pe [b, s, h, r]; latent [t, b, c] float8_e4m3fn, latent_scale [t, b, c / g] float32,
     rope [t, b, r] float16 (the first t cache slots, the new entries already stored); lengths [b]: row i

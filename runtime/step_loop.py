@@ -205,6 +205,8 @@ class StepLoop:
         try:
             return step([r.slot for r in requests])
         except Exception as exc:
+            # unhealthy until the check below says otherwise: the failed requests' clients may ask /health at once
+            self.fault = f"a forward failed ({exc}); the model is being checked"
             for request in requests:
                 self._fail(request, exc)
             self.cache.pool.forget()
