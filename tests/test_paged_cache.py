@@ -191,3 +191,28 @@ def test_the_server_reports_cached_prompt_tokens_and_refuses_a_prompt_over_the_p
         assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200  # still serving
     finally:
         server.stop()
+
+
+def test_on_small_a_reused_prefix_gives_the_logits_its_prefill_does(tmp_path_factory):
+    """Kimi K2's attention dimensions (the `small` preset: kv_lora 512, rope 64, 8 heads): after a reused prefix
+    of five pages the exact graph over the bf16 cache gives the logits of the same prompt prefilled in two
+    forwards, to float rounding."""
+    pytest.importorskip("torch")
+    from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
+    from k2deploy.core.checkpoint.synthetic import write_checkpoint
+    from k2deploy.core.manifest import load_manifest
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+    from k2deploy.runtime.ort_backend import OrtModel
+
+    root = tmp_path_factory.mktemp("small")
+    checkpoint = write_checkpoint(root / "ckpt", preset_config("small"), seed=0, shard_bytes=SHARD_BYTES["small"])
+    export_artifact(ExportOptions(str(checkpoint), kv_cache="bf16", target="cuda"), root / "art")
+    model = OrtModel(load_manifest(root / "art"))
+    shared = _prompt(5 * PAGE_SIZE + 17, seed=17)
+    first, second = shared + _prompt(9, seed=18), shared + _prompt(40, seed=19)
+    cache = model.new_cache(2, 1024)
+    _prefill(model, cache, 0, first)
+    cache.release(0)
+    reused, logits = _prefill(model, cache, 1, second)
+    assert reused == 5 * PAGE_SIZE
+    np.testing.assert_allclose(logits, _without_reuse(model, second, reused), atol=2e-3, rtol=1e-4)
