@@ -109,11 +109,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     token_bytes = CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer * manifest.config.num_hidden_layers
     model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads, placement=args.placement,
                          ray=args.ray, cache_tokens=args.max_total_tokens or args.max_batch * context)
-    pool_tokens = args.max_total_tokens or default_pool_tokens(token_bytes, args.max_batch * context)
-    if pool_tokens * token_bytes > available_memory():
+    available = available_memory()  # the weights are loaded: the default pool takes half of what is left
+    pool_tokens = args.max_total_tokens or max(PAGE_SIZE, min(args.max_batch * context, available // 2 // token_bytes))
+    if pool_tokens * token_bytes > available:
         raise K2Error(f"--max-total-tokens {pool_tokens} needs {pool_tokens * token_bytes / 2**30:.1f} GiB of cache, "
-                      f"this host has {available_memory() / 2**30:.1f} GiB available; ask for "
-                      f"{available_memory() // token_bytes} tokens or fewer")
+                      f"this host has {available / 2**30:.1f} GiB available; ask for {available // token_bytes} "
+                      f"tokens or fewer")
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache)
     model_name = args.model_name or artifact.resolve().name
@@ -144,12 +145,6 @@ def available_memory() -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def default_pool_tokens(token_bytes: int, most: int) -> int:
-    """The cache pool when --max-total-tokens is not given: half the memory available now (the weights are
-    loaded), at most `most` tokens (every slot at full context), at least one page."""
-    return max(PAGE_SIZE, min(most, available_memory() // 2 // token_bytes))
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -29,12 +29,6 @@ from ..core.errors import K2Error
 from .page_pool import PagePool, chain_hashes
 
 
-def check_room(positions: np.ndarray, valid: np.ndarray, max_len: int) -> None:
-    """A K2Error when a valid position [rows, s] lies past the `max_len` positions a sequence may hold."""
-    if np.any(valid & (positions >= max_len)):
-        raise K2Error(f"sequence reaches position {int(positions[valid].max())}, past the cache's {max_len} positions")
-
-
 def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
     return -(-int(tokens) // page_size)
 

@@ -130,8 +130,7 @@ class StepLoop:
 
     def _prefill(self, requests: list[GenerationRequest]) -> None:
         requests, size = self._prefill_rows(requests)
-        chunks = [r.next_chunk(size) for r in requests]
-        requests = self._make_room(requests, [r.cached + len(c) for r, c in zip(requests, chunks)])
+        requests = self._make_room(requests, [r.cached + len(r.next_chunk(size)) for r in requests])
         if not requests:
             return
         chunks = [r.next_chunk(size) for r in requests]
