@@ -12,6 +12,7 @@ from ..core.cache_format import NAMES as CACHE_FORMATS
 from ..core.targets import TARGETS
 from .command import run_command
 from ..core.errors import K2Error
+from ..core.json_files import loads
 from .bench_command import add_bench_parser
 from .plan_command import add_plan_parser
 from .serve_command import add_serve_parser
@@ -154,7 +155,7 @@ def _read_tools(path: str) -> list[dict]:
     from ..runtime.chat_tools import check_tools
 
     try:
-        tools = json.loads(Path(path).read_text(encoding="utf-8"))
+        tools = loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise K2Error(f"--tools {path}: cannot be read ({exc.strerror})") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -216,11 +217,14 @@ def cmd_score(args: argparse.Namespace) -> None:
     import numpy as np
 
     folder = Path(args.out).resolve().parent
+    if Path(args.out).is_dir():
+        raise K2Error(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'logits.npy'}")
     if not folder.is_dir():
         raise K2Error(f"--out {args.out}: folder {folder} does not exist; create it first")
     prompt = _prompt_ids(args.prompt_ids)
     logits = _load_generator(args, len(prompt)).score(prompt)
-    np.save(args.out, logits)
+    with open(args.out, "wb") as out:  # exactly the name given (np.save on a name would append .npy)
+        np.save(out, logits)
     summary = {"out": args.out, "shape": list(logits.shape), "dtype": str(logits.dtype)}
     print(json.dumps(summary) if args.json else f"wrote {args.out}: float32 logits {list(logits.shape)}")
 

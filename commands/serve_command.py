@@ -7,8 +7,10 @@ libraries load when the command runs.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
+import re
 import socket
 import sys
 from pathlib import Path
@@ -49,6 +51,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every route but /health (visible to "
                                            f"other users in `ps`: prefer --api-key-file or ${API_KEY_VARIABLE})")
     parser.add_argument("--api-key-file", help="read the API key from this file's first line")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="a web origin (e.g. https://app.example.com) whose pages may call the API from a "
+                             "browser (CORS); repeat for several (default: none, no CORS headers are sent)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
@@ -85,6 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     if args.drain_timeout < 0:
         raise K2Error(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout}")
+    for origin in args.allow_origin:
+        if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+            raise K2Error(f"--allow-origin {origin!r} is not an origin; give scheme and host, e.g. "
+                          f"https://app.example.com or http://localhost:3000 (* for any)")
     api_key = _api_key(args)
     try:
         import uvicorn
@@ -118,9 +127,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     metrics = ServerMetrics()
     engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache)
     model_name = args.model_name or artifact.resolve().name
-    app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                    allow_origins=tuple(args.allow_origin))
     listener = _bind(args.host, args.port)
     host, port = listener.getsockname()[:2]
+    if api_key is None and not ipaddress.ip_address(host).is_loopback:
+        print(f"k2deploy serve: warning: listening on {host}, reachable from other machines, without an API key; "
+              f"anyone who can reach it can generate (give --api-key-file)", file=sys.stderr, flush=True)
     pool = engine.cache.pool
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache pool {pool.pages * pool.page_size} tokens in {pool.pages} pages of "

@@ -19,6 +19,32 @@ from .json_files import read_json
 SUPPORTED_MODEL_TYPES = ("kimi_k2", "deepseek_v3")
 
 
+# The largest value each size may take (Kimi K2's in comments), generous for later models yet small enough that
+# nothing proportional to them is allocated or looped over for minutes before a config is refused.
+SIZE_LIMITS = {
+    "vocab_size": 1 << 22,  # 163,840
+    "hidden_size": 1 << 16,  # 7,168
+    "num_hidden_layers": 1024,  # 61
+    "intermediate_size": 1 << 18,  # 18,432
+    "moe_intermediate_size": 1 << 18,  # 2,048
+    "n_routed_experts": 4096,  # 384
+    "n_shared_experts": 64,  # 1
+    "num_experts_per_tok": 256,  # 8
+    "n_group": 4096,  # 1
+    "topk_group": 4096,  # 1
+    "num_attention_heads": 1024,  # 64
+    "num_key_value_heads": 1024,  # 64
+    "q_lora_rank": 1 << 16,  # 1,536
+    "kv_lora_rank": 1 << 16,  # 512
+    "qk_nope_head_dim": 4096,  # 128
+    "qk_rope_head_dim": 4096,  # 64
+    "v_head_dim": 4096,  # 128
+    "max_position_embeddings": 1 << 24,  # 131,072
+    "moe_layer_freq": 1024,  # 1
+    "num_nextn_predict_layers": 64,  # 0 (K2's checkpoint holds no MTP layer)
+}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     model_type: str
@@ -105,14 +131,16 @@ class ModelConfig:
             if not ok:
                 raise K2Error(f"{source}: field {name!r} {why}")
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size",
-                     "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
-                     "n_group", "topk_group", "num_attention_heads", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                     "max_position_embeddings", "moe_layer_freq"):
-            need(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        need(self.q_lora_rank is None or self.q_lora_rank > 0, "q_lora_rank", "must be positive or null")
-        need(self.n_shared_experts >= 0, "n_shared_experts", "must not be negative")
+        for name, most in SIZE_LIMITS.items():  # checked first: later checks and every allocation trust them
+            value = getattr(self, name)
+            if name == "q_lora_rank" and value is None:
+                continue
+            least = 0 if name in ("n_shared_experts", "num_nextn_predict_layers") else 1
+            need(least <= value <= most, name, f"must lie in [{least}, {most:,}], got {value:,}")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            value = getattr(self, name)
+            need(math.isfinite(value) and value > 0, name, f"must be a finite positive number, got {value}")
+        need(self.rms_norm_eps < 1, "rms_norm_eps", f"must be below 1, got {self.rms_norm_eps}")
         need(0 <= self.first_k_dense_replace <= self.num_hidden_layers, "first_k_dense_replace",
              f"must lie in [0, num_hidden_layers={self.num_hidden_layers}]")
         need(self.num_experts_per_tok <= self.n_routed_experts, "num_experts_per_tok",
@@ -133,7 +161,6 @@ class ModelConfig:
         need(self.moe_layer_freq == 1, "moe_layer_freq", "must be 1")
         need(not self.attention_bias, "attention_bias", "must be false")
         need(not self.tie_word_embeddings, "tie_word_embeddings", "must be false (Kimi K2 has its own lm_head)")
-        need(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         for name in ("bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             need(value is None or 0 <= value < self.vocab_size, name, f"({value}) is outside the vocabulary")
@@ -142,7 +169,13 @@ class ModelConfig:
             need(kind == "yarn", "rope_scaling", f"type is {kind!r}; only 'yarn' is supported")
             for key in ("factor", "original_max_position_embeddings"):
                 need(key in self.rope_scaling, "rope_scaling", f"lacks {key!r}")
-            need(self.rope_scaling["factor"] >= 1, "rope_scaling", "factor must be at least 1")
+            for key, value in self.rope_scaling.items():
+                need(not isinstance(value, float) or math.isfinite(value), "rope_scaling", f"{key} is {value}")
+            need(_is_number(self.rope_scaling["factor"]) and 1 <= self.rope_scaling["factor"] <= 1024, "rope_scaling",
+                 f"factor must be a number in [1, 1024], got {self.rope_scaling['factor']!r}")
+            original = self.rope_scaling["original_max_position_embeddings"]
+            need(isinstance(original, int) and 0 < original <= SIZE_LIMITS["max_position_embeddings"], "rope_scaling",
+                 f"original_max_position_embeddings must be a positive integer, got {original!r}")
         if self.quantization_config is not None:
             q = self.quantization_config
             need(q.get("quant_method") == "fp8", "quantization_config", f"quant_method is {q.get('quant_method')!r}; only 'fp8' is supported")
@@ -176,6 +209,10 @@ class ModelConfig:
                 mscale = yarn_mscale(self.rope_scaling["factor"], all_dim)
                 scale *= mscale * mscale
         return scale
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from .chat_template import ChatTokenizer, read_template
 from .errors import K2Error
+from .json_files import loads
 from .tokenizer_io import CONFIG_FILE, GENERATION_FILE, TOKENIZER_JSON, file_error, read_json_object, read_text
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
@@ -83,7 +84,7 @@ class HfTokenizer(ChatTokenizer):
         text = read_text(source)
         try:
             tokenizer = Tokenizer.from_str(text)
-            raw = json.loads(text)
+            raw = loads(text)
             raw["added_tokens"] = []
             plain = Tokenizer.from_str(json.dumps(raw))
         except Exception as exc:  # the library raises a bare Exception for a malformed file

@@ -9,11 +9,46 @@ from typing import Any
 
 from .errors import K2Error
 
+MAX_DEPTH = 64  # nesting levels any JSON this project reads may have (its own files need under ten)
+
+
+def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """json.loads for untrusted text, with its nesting bounded: deeper input raises json.JSONDecodeError (what
+    every caller already catches for garbled JSON) instead of RecursionError here or in whoever walks the value."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value = None
+    else:
+        if _depth_within(value, max_depth):
+            return value
+    raise TooDeep(max_depth)
+
+
+class TooDeep(json.JSONDecodeError):
+    def __init__(self, max_depth: int):
+        super().__init__(f"nested deeper than {max_depth} levels", "", 0)
+
+    def __str__(self) -> str:
+        return self.msg
+
+
+def _depth_within(value: Any, max_depth: int) -> bool:
+    """Whether no array or object in value lies more than max_depth levels deep (walked without recursion)."""
+    pending = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while pending:
+        container, depth = pending.pop()
+        if depth > max_depth:
+            return False
+        children = container.values() if isinstance(container, dict) else container
+        pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return True
+
 
 def read_json(path: Path, missing: str) -> Any:
     """The parsed file; a missing file raises K2Error "PATH: <missing>", a garbled one names the JSON error."""
     try:
-        return json.loads(Path(path).read_text())
+        return loads(Path(path).read_text())
     except FileNotFoundError:
         raise K2Error(f"{path}: {missing}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

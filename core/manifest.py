@@ -17,9 +17,11 @@ from pathlib import Path
 from .config import ModelConfig
 from .errors import K2Error
 from .json_files import check_version, read_document
+from .onnx_wire import graph_facts
 
 FORMAT = "k2deploy-artifact"
-FORMAT_VERSION = 2  # 2: the latent cache is paged (page_table and <array>_pages inputs)
+FORMAT_VERSION = 3  # 2: the latent cache is paged (page_table and <array>_pages inputs); 3: graphs name themselves
+GRAPH_KEY = "k2deploy.graph"  # each .onnx's metadata_props: which graph it is ("embed", "layer_003", "head")
 MANIFEST_FILE = "manifest.json"
 HASH_CHUNK = 8 << 20
 
@@ -56,6 +58,30 @@ class Manifest:
 
     def path(self, relative: str) -> Path:
         return inside(self.root, relative, "file")
+
+    def graph_file(self, name: str) -> Path:
+        """The .onnx of graph `name` ("embed", "head" or "layer_NNN"), checked before anything opens it: the file
+        says it is that graph, and every tensor it keeps outside it lies in the graph's own listed data file."""
+        graphs = self.graphs
+        if name.startswith("layer_"):
+            index = int(name.removeprefix("layer_")) - graphs["layer_range"][0]
+            entry = graphs["layers"][index]
+            if entry.get("layer") != int(name.removeprefix("layer_")):
+                raise K2Error(f"{self.root / MANIFEST_FILE}: graphs.layers[{index}] says it is layer "
+                              f"{entry.get('layer')!r}, not {name}; re-export the artifact")
+        else:
+            entry = graphs[name]
+        path = self.path(entry["file"])
+        metadata, locations = graph_facts(path)
+        if metadata.get(GRAPH_KEY) != name:
+            raise K2Error(f"{self.root}: {entry['file']} holds graph {metadata.get(GRAPH_KEY)!r}, the manifest lists "
+                          f"it as {name!r}; the artifact was altered or made by an older k2deploy, re-export it")
+        data = Path(entry["data"])
+        stray = sorted(loc for loc in locations if data.parent != path.relative_to(self.root).parent or loc != data.name)
+        if stray:
+            raise K2Error(f"{self.root}: {entry['file']} reads tensors from {stray[0]!r}, not from its listed data "
+                          f"file {entry['data']}; refusing to load it")
+        return path
 
     @property
     def digest(self) -> str:

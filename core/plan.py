@@ -22,6 +22,8 @@ count E x (1 - (1 - k/E)^batch)), the embedding rows on the first stage, the who
 cache at `context` tokens; the stage takes at least read bytes / bandwidth.
   decode_ms_per_token = sum over stages of the stage times: one step through every stage, one token for each
                         of the batch's sequences (the latency a sequence sees per token)
+  tokens_per_s_in_turn = batch / decode_ms_per_token: the batch steps through the stages one after another (all a
+                        batch too small to split can do: batch 1 never pipelines)
   tokens_per_s        = batch / the slowest stage's time: with micro-batches in flight every stage works at once,
                         and no split of the batch reads fewer bytes, so this bounds the pipeline's throughput
 Between stages only the hidden state crosses: hidden x 4 bytes (float32) per token, batch x that per step.
@@ -193,6 +195,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
         "experts_read_per_moe_layer": step["experts_per_moe_layer"],
         "decode_ms_per_token": sum(stage_ms),
         "tokens_per_s": batch / (max(stage_ms) / 1e3),
+        "tokens_per_s_in_turn": batch / (sum(stage_ms) / 1e3),
         "boundaries": boundaries,
         "boundary_bytes_per_token": hidden_bytes,
         "host_link_bytes_per_token": hidden_bytes * sum(b["crosses_hosts"] for b in boundaries),
@@ -244,7 +247,7 @@ def format_plan(info: dict) -> str:
         "",
         f"decode      at least {info['decode_ms_per_token']:.2f} ms per token per sequence (the stages one after "
         f"another, {info['experts_read_per_moe_layer']:.1f} experts read per MoE layer)",
-        f"            at most {info['tokens_per_s']:,.0f} tokens/s (batch / slowest stage, pipelined)",
+        _throughput_line(info, len(info["placement"]["stages"])),
     ]
     crossing = [b for b in info["boundaries"] if b["crosses_hosts"]]
     if info["boundaries"]:
@@ -254,3 +257,14 @@ def format_plan(info: dict) -> str:
                      f"host links)")
     lines += [f"            {b['from']} -> {b['to']} before layer {b['at_layer']}" for b in crossing]
     return "\n".join(lines)
+
+
+def _throughput_line(info: dict, stages: int) -> str:
+    in_turn = f"            at most {info['tokens_per_s_in_turn']:,.0f} tokens/s"
+    if stages == 1:
+        return in_turn
+    if info["batch"] < stages:
+        return (f"{in_turn} (the batch steps through the {stages} stages in turn; pipelining needs at least {stages} "
+                f"sequences in flight: plan --batch {stages} for that bound)")
+    return (f"{in_turn} stepping the batch through the stages in turn; at most {info['tokens_per_s']:,.0f} tokens/s "
+            f"pipelined ({stages} micro-batches in flight)")

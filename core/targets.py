@@ -95,4 +95,8 @@ def get_target(name: str) -> Target:
 
 def artifact_target(manifest_data: dict) -> Target:
     """The target an artifact was lowered for (its manifest's `target`); a K2Error for one this version does not know."""
-    return get_target(manifest_data.get("target", LEGACY_TARGET))
+    name = manifest_data.get("target", LEGACY_TARGET)
+    if not isinstance(name, str) or name not in TARGETS:
+        raise K2Error(f"the artifact's manifest names target {name!r}, which this k2deploy does not know (it knows "
+                      f"{', '.join(TARGETS)}); re-export the artifact")
+    return TARGETS[name]

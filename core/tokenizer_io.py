@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from .errors import K2Error
+from .json_files import loads
 
 TIKTOKEN_FILE = "tiktoken.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -33,7 +34,7 @@ def read_text(path: Path) -> str:
 
 def read_json_object(path: Path) -> dict:
     try:
-        value = json.loads(read_text(path))
+        value = loads(read_text(path))
     except json.JSONDecodeError as e:
         raise file_error(path, f"is not valid JSON ({e})") from None
     if not isinstance(value, dict):

@@ -34,7 +34,8 @@ from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..core.errors import K2Error
-from ..core.json_files import write_json_atomically
+from ..core.placement import format_bytes
+from ..core.json_files import loads, write_json_atomically
 from ..core.manifest import FORMAT, FORMAT_VERSION, MANIFEST_FILE, file_record
 from ..core.targets import default_target, get_target
 from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
@@ -120,7 +121,7 @@ class Journal:
         self.path = out / JOURNAL_FILE
         self.options = asdict(options)
         try:
-            data = json.loads(self.path.read_text()) if self.path.exists() else {}
+            data = loads(self.path.read_text()) if self.path.exists() else {}
             if not isinstance(data, dict) or not isinstance(data.get("done", {}), dict):
                 raise ValueError("not an object of finished graphs")
         except (ValueError, UnicodeDecodeError) as exc:
@@ -161,6 +162,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         raise K2Error(f"{options.checkpoint}: export needs FP8 weights (a quantization_config with weight_block_size)")
     if options.layers is not None:
         start, stop = options.layers
+        if start >= stop:
+            raise K2Error(f"--layers {start}:{stop} is empty; give START below STOP, e.g. {start}:{start + 1}")
         if not 0 <= start < stop <= config.num_hidden_layers:
             raise K2Error(f"--layers {start}:{stop} is outside the model's layers 0:{config.num_hidden_layers}")
     _prepare(out, force)
@@ -172,7 +175,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     remaining = sum(_job_bytes(checkpoint, job) for job in jobs if not journal.finished(job, out))
     free = shutil.disk_usage(out).free
     if free < remaining * 1.05:  # the int8 lowering writes about the checkpoint's bytes too
-        raise K2Error(f"{out}: {free / 1e9:.1f} GB free, the export needs about {remaining / 1e9:.1f} GB more; "
+        raise K2Error(f"{out}: {format_bytes(free)} free, the export needs about {format_bytes(remaining)} more; "
                       f"free some space and rerun (finished graphs are kept)")
     on_total(remaining)
     reused = sum(journal.finished(job, out) for job in jobs)

@@ -22,7 +22,7 @@ import onnx_ir as ir
 import torch
 
 from .. import plugins
-from ..core.manifest import sha256_file
+from ..core.manifest import GRAPH_KEY, sha256_file
 
 ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .data file
 
@@ -92,6 +92,7 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
     proto = ir.serde.serialize_model(model)
     for node in proto.graph.node:
         del node.metadata_props[:]  # the tracer's per-node source notes: half the file, of no use at run time
+    proto.metadata_props.add(key=GRAPH_KEY, value=stem)  # the runtime checks each graph is the one its place names
     used = {(node.domain, node.op_type) for node in proto.graph.node}
     proto.functions.extend(f for f in functions if (f.domain, f.name) in used)
     onnx.save(proto, graph_partial)

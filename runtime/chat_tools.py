@@ -85,8 +85,9 @@ class ToolSteering:
         if not has_markers:
             return cls("", ())
         begin = KIMI_K2_MARKERS.section_begin + KIMI_K2_MARKERS.call_begin
-        if choice == "none" or not tools:
-            return cls("", (tokenizer.special_ids[KIMI_K2_MARKERS.section_begin],))
+        if choice == "none" or not tools:  # neither marker that can open a call (call_begin opens a section too)
+            return cls("", tuple(tokenizer.special_ids[m] for m in (KIMI_K2_MARKERS.section_begin,
+                                                                    KIMI_K2_MARKERS.call_begin)))
         if choice == "required":
             return cls(begin + "functions.", ())
         if isinstance(choice, dict):

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
@@ -22,6 +23,8 @@ from .thread_pool import process_threads, session_options
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
 # slower per layer than the plain MatMul after the transpose (benchmarks/decode_latency.py, small preset)
 DISABLED_OPTIMIZERS = ["MatmulTransposeFusion"]
+LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidArgument, ort_state.InvalidGraph, ort_state.InvalidProtobuf,
+               ort_state.NoSuchFile, ort_state.NotImplemented, ort_state.RuntimeException)
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
@@ -95,16 +98,22 @@ class OrtModel:
         options = session_options(threads, host_share)
         self.threads = process_threads()
 
-        def load(entry: dict) -> ort.InferenceSession:
-            return ort.InferenceSession(str(manifest.path(entry["file"])), options, providers=providers,
-                                        disabled_optimizers=DISABLED_OPTIMIZERS)
+        def load(name: str) -> ort.InferenceSession:
+            path = manifest.graph_file(name)
+            try:
+                return ort.InferenceSession(str(path), options, providers=providers,
+                                            disabled_optimizers=DISABLED_OPTIMIZERS)
+            except LOAD_ERRORS as exc:
+                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+                raise K2Error(f"{path}: ONNX Runtime cannot load this graph ({reason}); re-export the artifact") from None
 
         entries = manifest.graphs["layers"]
+        first_layer = manifest.graphs["layer_range"][0]
         self.layers = layers if layers is not None else range(len(entries))
         self.first, self.last = self.layers.start == 0, self.layers.stop == len(entries)
-        self.embed_session = load(manifest.graphs["embed"]) if self.first else None
-        self.layer_sessions = [load(entries[i]) for i in self.layers]
-        self.head_session = load(manifest.graphs["head"]) if self.last else None
+        self.embed_session = load("embed") if self.first else None
+        self.layer_sessions = [load(f"layer_{first_layer + i:03d}") for i in self.layers]
+        self.head_session = load("head") if self.last else None
         loaded = [(manifest.graphs[name], session) for name, session in
                   (("embed", self.embed_session), ("head", self.head_session)) if session is not None]
         check_against_graphs(manifest, [*loaded, *zip((entries[i] for i in self.layers), self.layer_sessions)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,8 +21,8 @@ class SamplingParams:
     banned_ids: tuple[int, ...] = ()  # never sampled (e.g. the tool-call section when no tool may be called)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise K2Error(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise K2Error(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise K2Error(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

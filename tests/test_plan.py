@@ -14,7 +14,7 @@ from k2deploy.core.manifest import FORMAT_VERSION
 from k2deploy.core.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_fits, format_placement,
                                 parse_devices, parse_placement)
 from k2deploy.commands.plan_command import add_plan_parser
-from k2deploy.core.plan import plan
+from k2deploy.core.plan import format_plan, plan
 from k2deploy.core.sizes import kv_cache_bytes_per_token
 
 ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
@@ -237,6 +237,15 @@ def test_decode_bound_of_each_stage_is_its_bytes_over_the_bandwidth():
     assert [r["decode_ms"] for r in info["per_device"]] == pytest.approx([1e3 * s for s in seconds])
     assert info["decode_ms_per_token"] == pytest.approx(1e3 * sum(seconds))
     assert info["tokens_per_s"] == pytest.approx(batch / max(seconds))
+    assert info["tokens_per_s_in_turn"] == pytest.approx(batch / sum(seconds))
+
+
+def test_one_sequence_is_not_promised_pipelined_throughput():
+    info = plan(preset_config("tiny"), "2xH200", context=100, batch=1, placement="0:1@cuda:0,1:3@cuda:1")
+    assert info["tokens_per_s_in_turn"] == pytest.approx(1e3 / info["decode_ms_per_token"])
+    line = next(line for line in format_plan(info).splitlines() if "tokens/s" in line)
+    assert line.split()[2] == f"{info['tokens_per_s_in_turn']:,.0f}"
+    assert "pipelining needs at least 2 sequences in flight" in line
 
 
 def test_auto_placement_balances_and_refuses_what_cannot_fit():

@@ -179,7 +179,9 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "tiny-k2", "prompt": ', 400, "invalid_json", None, "parse the JSON"),
     ("/v1/completions", b"[1, 2]", 400, "invalid_json", None, "JSON object"),
     ("/v1/completions", {"prompt": "hi"}, 400, None, "model", "`model` is required"),
-    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 400, "model_not_found", "model", "does not exist"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", "model", "does not exist"),
+    ("/v1/completions", b'{"model": "tiny-k2", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400,
+     "invalid_json", None, "nested deeper than 64 levels"),
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, None, "prompt", "`prompt` is required"),
     ("/v1/completions", {"model": MODEL}, 400, None, "prompt", "`prompt` is required"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, None, "prompt", "empty"),
@@ -249,6 +251,21 @@ def test_bad_requests_get_openai_errors(server, route, body, status, code, param
     assert words in error["message"], error["message"]
 
 
+def test_only_json_bodies_are_served_and_no_origin_is_allowed_by_default(server):
+    """A web page may POST text/plain to any address without asking first; the server must not act on it."""
+    body = '{"model": "%s", "prompt": "hi", "max_tokens": 1}' % MODEL
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Origin": "https://evil.example"} | ({"Content-Type": content_type} if content_type else {})
+        answer = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+        assert answer.status_code == 415 and answer.json()["error"]["code"] == "unsupported_media_type", answer.text
+        assert not any(h.startswith("access-control-") for h in answer.headers)
+    preflight = httpx.options(f"{server.url}/v1/completions", timeout=30, headers={
+        "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+    assert not any(h.startswith("access-control-") for h in preflight.headers)
+    assert httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
+                      headers={"Content-Type": "application/json; charset=utf-8"}).status_code == 200
+
+
 def test_bad_requests_disturb_nothing(server):
     assert httpx.get(f"{server.url}/v1/completions").status_code == 405
     assert server.metric("k2deploy_cache_slots_used") == 0 and server.metric("k2deploy_queue_depth") == 0
@@ -262,7 +279,7 @@ def test_bad_requests_disturb_nothing(server):
 def guarded_server(tiny_artifacts, tmp_path):
     """One slot, no queue, an API key."""
     running = Server(tiny_artifacts["fp8"], tmp_path / "guarded", "--max-batch", "1", "--max-queue", "0",
-                     "--api-key", "sesame")
+                     "--api-key", "sesame", "--allow-origin", "http://localhost:3000")
     yield running
     running.stop()
 
@@ -278,8 +295,16 @@ def test_api_key_queue_full_and_sigterm_drain(guarded_server):
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer sesame"}).status_code == 200
     client = server.client(api_key="sesame")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+
+    # --allow-origin: that origin's pages may call (the preflight needs no key), no other's
+    for origin, allowed in (("http://localhost:3000", True), ("https://evil.example", False)):
+        preflight = httpx.options(f"{server.url}/v1/completions", timeout=30, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type"})
+        assert (preflight.headers.get("access-control-allow-origin") == origin) is allowed, preflight.headers
 
     # the one slot busy and no queue: 503 with Retry-After, and the running request carries on
     body = {"model": MODEL, "prompt": "The ferry", "max_tokens": 40, "temperature": 0, "stream": True}

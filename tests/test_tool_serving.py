@@ -148,3 +148,20 @@ def test_generate_with_tools_prints_the_parsed_calls(artifact, tmp_path):
     tools.write_text('[{"type": "function", "function": {"name": "bad name"}}]')
     refused = run_cli("generate", artifact, "--chat", "--prompt", "x", "--tools", tools)
     assert refused.returncode == 2 and "function.name` must be 1 to 64 letters" in refused.stderr
+
+
+def test_without_tools_no_call_can_start_even_by_a_bare_call_marker(tokenizer, tmp_path):
+    """A model whose greedy answer opens a call with <|tool_call_begin|> alone (no section marker): with no tools
+    declared the call never happens (generate --chat, the server's steering is the same)."""
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    bare = "<|tool_call_begin|>functions.bakery:0<|tool_call_argument_begin|>{}<|tool_call_end|><|im_end|>"
+    checkpoint = write_scripted_checkpoint(tmp_path / "checkpoint",
+                                           script(tokenizer.encode("<|im_middle|>" + bare, allow_special=True)))
+    export_artifact(ExportOptions(str(checkpoint), kv_cache="bf16", target="cuda"), tmp_path / "artifact")
+    result = run_cli("generate", tmp_path / "artifact", "--chat", "--prompt", "When does the bakery open?",
+                     "--max-new-tokens", "8", "--json")
+    assert result.returncode == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["finish_reason"] != "tool_calls" and answer["tool_calls"] == []
+    assert tokenizer.special_ids["<|tool_call_begin|>"] not in answer["token_ids"]

@@ -9,7 +9,10 @@ import shutil
 import pytest
 
 from cli import run_cli
-from k2deploy.core.manifest import MANIFEST_FILE
+import onnx
+from onnx.external_data_helper import _get_all_tensors
+
+from k2deploy.core.manifest import MANIFEST_FILE, file_record
 
 
 def _rename_file(data, art, new_name):
@@ -36,6 +39,32 @@ def _set(path, value):
     return edit
 
 
+def _rehash(data, art, name):
+    data["files"][name] = file_record(art, name)
+
+
+def _swap_layer_graphs(data, art):
+    first, second = art / "graphs/layer_000.onnx", art / "graphs/layer_001.onnx"
+    first_bytes = first.read_bytes()
+    first.write_bytes(second.read_bytes())
+    second.write_bytes(first_bytes)
+    for name in ("graphs/layer_000.onnx", "graphs/layer_001.onnx"):
+        _rehash(data, art, name)
+
+
+def _redirect_data(location):
+    """layer_001.onnx's external tensors made to read `location` instead of layer_001.data."""
+    def edit(data, art):
+        graph = onnx.load(art / "graphs/layer_001.onnx", load_external_data=False)
+        for tensor in _get_all_tensors(graph):
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    entry.value = location
+        onnx.save(graph, art / "graphs/layer_001.onnx")
+        _rehash(data, art, "graphs/layer_001.onnx")
+    return edit
+
+
 CASES = {
     "a parent path": (lambda d, a: _rename_file(d, a, "../outside.data"), "points outside the artifact"),
     "an absolute path": (lambda d, a: _rename_file(d, a, "/etc/passwd"), "points outside the artifact"),
@@ -53,6 +82,13 @@ CASES = {
     "a cache format of the same layout": (_set(["kv_cache", "format"], "int8"),
                                           "new_latent is FLOAT8E4M3FN, the manifest's cache format 'int8' needs UINT8"),
     "edited cache dims": (_set(["kv_cache", "latent_dim"], 32), "kv_cache dims (32, 16) are not its model's (64, 16)"),
+    "two layer graphs swapped": (_swap_layer_graphs, "holds graph 'layer_001', the manifest lists it as 'layer_000'"),
+    "a layer entry renumbered": (_set(["graphs", "layers", 1, "layer"], 0), "graphs.layers[1] says it is layer 0"),
+    "a graph reading another layer's data": (_redirect_data("layer_000.data"),
+                                             "reads tensors from 'layer_000.data', not from its listed data file"),
+    "a graph reading outside the artifact": (_redirect_data("../../outside.data"),
+                                             "reads tensors from '../../outside.data'"),
+    "a bogus target": (_set(["target"], "bogus"), "target 'bogus'"),
 }
 
 

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import K2Error
+from ..json_files import loads
 from . import layout
 from .fp8 import dequantize
 from .safetensors_io import NUMPY_DTYPES, TensorEntry, read_header
@@ -129,7 +130,7 @@ def _read_entries(root: Path) -> dict[str, TensorEntry]:
     index_path = root / INDEX_FILE
     if index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            weight_map = loads(index_path.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
             raise K2Error(f"{index_path}: not a valid index (expected JSON with a 'weight_map' object)") from None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

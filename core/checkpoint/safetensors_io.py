@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from ..errors import K2Error
+from ..json_files import loads
 
 NUMPY_DTYPES = {
     "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
@@ -56,7 +57,7 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
                 raise K2Error(f"shard {path.name} is truncated or not a safetensors file (header of {header_len} bytes in a {size}-byte file)")
-            header = json.loads(f.read(header_len))
+            header = loads(f.read(header_len))
     except FileNotFoundError:
         raise K2Error(f"shard {path.name} is missing from {path.parent}") from None
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import K2Error
+from ..placement import format_bytes
 from . import layout
 from .reader import INDEX_FILE
 from .safetensors_io import NUMPY_DTYPES, header_bytes, write_array
@@ -136,7 +137,7 @@ def write_checkpoint(
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if free < total * 1.02:
-        raise K2Error(f"{out.parent}: {free / 1e9:.1f} GB free, the checkpoint needs {total / 1e9:.1f} GB")
+        raise K2Error(f"{out.parent}: {format_bytes(free)} free, the checkpoint needs {format_bytes(total)}")
 
     _remove_stale_partials(out)
     partial = out.parent / f".{out.name}.partial-{os.getpid()}"

@@ -18,6 +18,7 @@ import jinja2
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -74,12 +75,16 @@ class Service:
         if problem is not None:
             raise ApiError(503, f"The model is unavailable: {problem}. Retry after a moment.", type="server_error",
                            code="unavailable", headers={"Retry-After": RETRY_AFTER_S})
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != "application/json":  # a web page can send text/plain across origins without asking first
+            raise ApiError(415, f"Send the request body as JSON with `Content-Type: application/json` (got "
+                                f"{media_type or 'no Content-Type'}).", code="unsupported_media_type")
         body = await self.read_body(request)
         # parsing and tokenising a large body takes time: off the event loop, so /health and streams keep answering
         options = await asyncio.to_thread(lambda: parse_options(parse_json(body), chat))
         if options.model != self.model_name:
-            raise bad_request(f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
-                              param="model", code="model_not_found")
+            raise ApiError(404, f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
         prompt_ids, steering = await asyncio.to_thread(self.prompt_ids, options)
         params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
                                 max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
@@ -225,7 +230,7 @@ class AuthMiddleware:
 
     def __init__(self, app, api_key: str | None, metrics: ServerMetrics, routes: set[str]):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.metrics = metrics
         self.routes = routes
 
@@ -249,8 +254,8 @@ class AuthMiddleware:
         await self.app(scope, receive, counted_send)
 
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self.expected)
+        scheme, _, key = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+        return hmac.compare_digest(key.strip(), self.expected) and scheme.lower() == b"bearer"  # the scheme's case is free
 
 
 def _too_large(limit: int) -> ApiError:
@@ -279,7 +284,10 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 
 def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, metrics: ServerMetrics,
-              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              allow_origins: tuple[str, ...] = ()) -> Starlette:
+    """allow_origins: the web origins whose pages may call the API (CORS); none by default, so a browser keeps
+    every other site's scripts from reading answers."""
     service = Service(engine, tokenizer, model_name, metrics, max_request_bytes)
     routes = [
         Route("/health", service.health, methods=["GET"]),
@@ -295,6 +303,8 @@ def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, 
         yield
         await asyncio.to_thread(engine.stop)
 
-    return Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(AuthMiddleware, api_key=api_key, metrics=metrics, routes={r.path for r in routes})],
+    middleware = [Middleware(CORSMiddleware, allow_origins=list(allow_origins), allow_methods=["GET", "POST"],
+                             allow_headers=["Authorization", "Content-Type"])] if allow_origins else []
+    middleware.append(Middleware(AuthMiddleware, api_key=api_key, metrics=metrics, routes={r.path for r in routes}))
+    return Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                      exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _server_error})

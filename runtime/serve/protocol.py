@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...core.errors import K2Error
+from ...core.json_files import loads
 from ..chat_tools import check_tool_choice, check_tools
 
 MAX_STOP_STRINGS = 4
@@ -82,9 +83,10 @@ class Options:
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise bad_request("We could not parse the JSON body of your request. The body must be a JSON object.",
+        body = loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        why = exc.msg if isinstance(exc, json.JSONDecodeError) else "not UTF-8"
+        raise bad_request(f"We could not parse the JSON body of your request ({why}). The body must be a JSON object.",
                           code="invalid_json") from None
     if not isinstance(body, dict):
         raise bad_request("The body of your request must be a JSON object.", code="invalid_json")

@@ -1,0 +1,130 @@
+"""Hostile or broken input, second round: JSON nested past any sane depth wherever JSON is read, config values
+out of range or not finite, non-finite sampling options. Each is one line on stderr, exit 2, no traceback, refused
+before any work or memory proportional to it."""
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from cli import run_cli
+from k2deploy.core.checkpoint.presets import preset_config
+from k2deploy.core.config import ModelConfig
+from k2deploy.core.errors import K2Error
+from k2deploy.core.json_files import loads
+from k2deploy.core.manifest import file_record
+
+DEEP = 100_000  # past Python's recursion limit: json.loads itself fails
+NESTED = 100  # within it, past the bound
+
+
+def _nested(depth: int) -> str:
+    return '{"x": ' + "[" * depth + "]" * depth + "}"
+
+
+def _one_line(result, message):
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+@pytest.mark.parametrize("depth", [NESTED, DEEP])
+def test_json_past_the_depth_bound_is_refused_as_garbled_json(depth):
+    with pytest.raises(json.JSONDecodeError, match="nested deeper than 64 levels"):
+        loads(_nested(depth))
+    assert loads(_nested(60)) == json.loads(_nested(60))
+
+
+@pytest.mark.parametrize("name, message", [("config.json", "nested deeper than 64 levels"),
+                                           ("model.safetensors.index.json", "not a valid index")])
+def test_deeply_nested_checkpoint_json_is_one_line(tiny_copy, name, message):
+    (tiny_copy / name).write_text(_nested(DEEP))
+    _one_line(run_cli("inspect", tiny_copy), message)
+
+
+def test_a_shard_header_nested_deep_is_one_line(tiny_copy):
+    shard = sorted(tiny_copy.glob("*.safetensors"))[0]
+    header = _nested(DEEP).encode()
+    shard.write_bytes(struct.pack("<Q", len(header)) + header)
+    _one_line(run_cli("inspect", tiny_copy), f"shard {shard.name} has a garbled header")
+
+
+def test_deeply_nested_manifest_and_tokenizer_config_are_one_line(tiny_cpu_artifact, tmp_path):
+    import shutil
+
+    art = shutil.copytree(tiny_cpu_artifact, tmp_path / "art")
+    config = art / "tokenizer" / "tokenizer_config.json"
+    config.write_text(_nested(DEEP))
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(art, "tokenizer/tokenizer_config.json")
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    _one_line(run_cli("generate", art, "--prompt", "hi", "--max-new-tokens", "1"), "nested deeper than 64 levels")
+    (art / "manifest.json").write_text(_nested(DEEP))
+    _one_line(run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "1"), "nested deeper than 64 levels")
+
+
+def test_a_deeply_nested_tools_file_is_one_line(tiny_cpu_artifact, tmp_path):
+    tools = tmp_path / "tools.json"
+    tools.write_text("[" + _nested(DEEP) + "]")
+    _one_line(run_cli("generate", tiny_cpu_artifact, "--prompt", "hi", "--chat", "--tools", tools,
+                      "--max-new-tokens", "1"), "nested deeper than 64 levels")
+
+
+def _config(**changes) -> dict:
+    raw = preset_config("tiny").to_dict()
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"num_hidden_layers": 100_000}, "'num_hidden_layers' must lie in [1, 1,024], got 100,000"),
+    ({"num_hidden_layers": 10**12}, "'num_hidden_layers' must lie in [1, 1,024]"),
+    ({"vocab_size": 10**9}, "'vocab_size' must lie in [1, 4,194,304]"),
+    ({"num_attention_heads": 10**6, "num_key_value_heads": 10**6}, "'num_attention_heads' must lie in"),
+    ({"max_position_embeddings": 10**12}, "'max_position_embeddings' must lie in"),
+    ({"rope_theta": float("nan")}, "'rope_theta' must be a finite positive number, got nan"),
+    ({"rope_theta": -1}, "'rope_theta' must be a finite positive number, got -1"),
+    ({"routed_scaling_factor": float("nan")}, "'routed_scaling_factor' must be a finite positive number"),
+    ({"rms_norm_eps": float("inf")}, "'rms_norm_eps' must be a finite positive number"),
+    ({"rope_scaling": {"type": "yarn", "factor": float("nan"), "original_max_position_embeddings": 4096}},
+     "'rope_scaling' factor is nan"),
+    ({"rope_scaling": {"type": "yarn", "factor": 32.0, "original_max_position_embeddings": -5}},
+     "original_max_position_embeddings must be a positive integer"),
+])
+def test_config_values_out_of_range_are_refused(changes, message):
+    with pytest.raises(K2Error) as refused:
+        ModelConfig.from_dict(_config(**changes))
+    assert message in str(refused.value)
+
+
+def test_a_checkpoint_claiming_a_trillion_layers_is_refused_at_once(tiny_copy):
+    raw = json.loads((tiny_copy / "config.json").read_text())
+    raw["num_hidden_layers"] = 10**12
+    (tiny_copy / "config.json").write_text(json.dumps(raw))
+    _one_line(run_cli("inspect", tiny_copy), "'num_hidden_layers' must lie in [1, 1,024]")
+
+
+def test_make_checkpoint_with_too_many_layers_is_refused_before_writing(tmp_path):
+    _one_line(run_cli("make-checkpoint", tmp_path / "out", "--preset", "tiny", "--layers", "100000"),
+              "'num_hidden_layers' must lie in [1, 1,024]")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", [["--temperature", "nan"], ["--temperature", "inf"], ["--top-p", "nan"]])
+def test_non_finite_sampling_options_are_one_line(tiny_cpu_artifact, option):
+    _one_line(run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2", *option),
+              "must")
+
+
+def test_score_into_a_folder_is_refused_and_a_file_is_written_by_its_own_name(tiny_cpu_artifact, tmp_path):
+    _one_line(run_cli("score", tiny_cpu_artifact, "--prompt-ids", "1,2", "--out", tmp_path), "is a folder")
+    out = tmp_path / "logits"
+    result = run_cli("score", tiny_cpu_artifact, "--prompt-ids", "1,2,3", "--out", out)
+    assert result.returncode == 0 and f"wrote {out}:" in result.stdout, result.stderr
+    assert np.load(out).shape[0] == 3 and not (tmp_path / "logits.npy").exists()
+
+
+def test_an_empty_layer_range_is_called_empty(tiny_checkpoint, tmp_path):
+    _one_line(run_cli("export", tiny_checkpoint, "--out", tmp_path / "art", "--layers", "2:1"),
+              "--layers 2:1 is empty")
