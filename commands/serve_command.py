@@ -13,6 +13,7 @@ import os
 import re
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from ..core.cache_format import PAGE_SIZE, CacheFormat
@@ -21,7 +22,9 @@ from .runtime_options import add_runtime_options
 
 MAX_BATCH = 4096  # requests running at once, at most (each is a row of every forward)
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+DRAIN_GRACE_S = 5.0  # after the drain ends, time for the failed requests' last events to reach their clients
 API_KEY_VARIABLE = "K2DEPLOY_API_KEY"
 DESCRIPTION = ("Serve an exported artifact over OpenAI's API (GET /v1/models, POST /v1/completions and "
                "/v1/chat/completions, streamed or not) with continuous batching over the FP8 latent cache, "
@@ -56,6 +59,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "browser (CORS); repeat for several (default: none, no CORS headers are sent)")
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                         help=f"largest request body; larger ones get 413 (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
+                        help=f"seconds a client has to send its whole request body, else a 408 (default: "
+                             f"{DEFAULT_BODY_TIMEOUT_S:g})")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds SIGTERM waits for running requests before it exits anyway; a second SIGTERM "
                              f"exits at once (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
@@ -88,7 +94,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"--port {args.port} is not a TCP port; choose 0 to 65535 (0: any free port)")
     if args.max_request_bytes < 1024:
         raise K2Error(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
-    if args.drain_timeout < 0:
+    if not args.body_timeout > 0:
+        raise K2Error(f"--body-timeout must be more than 0 seconds, got {args.body_timeout}")
+    if not args.drain_timeout >= 0:
         raise K2Error(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout}")
     for origin in args.allow_origin:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
@@ -128,6 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache)
     model_name = args.model_name or artifact.resolve().name
     app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                    body_timeout=args.body_timeout,
                     allow_origins=tuple(args.allow_origin))
     listener = _bind(args.host, args.port)
     host, port = listener.getsockname()[:2]
@@ -144,8 +153,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
     logging.basicConfig(format="k2deploy serve: %(levelname)s %(message)s")
     logging.getLogger("k2deploy").setLevel(args.log_level.upper())
+    def end_drain() -> None:  # requests still running when the drain ends hear why, then their streams close
+        engine.stop(f"the server shut down before this request finished (--drain-timeout {args.drain_timeout:g} s)")
+
+    # uvicorn cancels what is still open after its own timeout: later than ours, so every stream ends with its error
     server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
-                                             timeout_graceful_shutdown=args.drain_timeout))
+                                             timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S),
+                              lambda: _after(args.drain_timeout, end_drain))
     server.run(sockets=[listener])
 
 
@@ -179,8 +193,16 @@ def _api_key(args: argparse.Namespace) -> str | None:
     return key
 
 
-def _draining_server(config):
-    """uvicorn's server, where a second SIGTERM (not only a second Ctrl-C) ends the drain at once."""
+def _after(seconds: float, call) -> None:
+    """call() in `seconds` on a thread that does not keep the process alive."""
+    timer = threading.Timer(seconds, call)
+    timer.daemon = True
+    timer.start()
+
+
+def _draining_server(config, on_drain):
+    """uvicorn's server, where the first SIGTERM or Ctrl-C starts the drain (and calls on_drain) and a second one
+    (not only a second Ctrl-C) ends it at once."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -189,6 +211,7 @@ def _draining_server(config):
                 print("k2deploy serve: second signal, exiting without waiting for running requests", file=sys.stderr,
                       flush=True)
                 os._exit(128 + sig)
+            on_drain()
             super().handle_exit(sig, frame)
 
     return DrainingServer(config)

@@ -162,7 +162,10 @@ class ToolCallParser:
     def _open_call(self) -> None:
         """The header has ended: the call joins ``calls``."""
         call_id = self._header.strip()  # "functions.get_weather:0" -> name "get_weather"
-        name = (call_id.rpartition(":")[0] if ":" in call_id else call_id).rpartition(".")[2]
+        if "functions.".startswith(call_id):  # cut inside the namespace ("func", "functions."): no name yet
+            name = ""
+        else:
+            name = (call_id.rpartition(":")[0] if ":" in call_id else call_id).rpartition(".")[2]
         self.calls.append(ToolCall(call_id, name, "", complete=False))
 
     def _end_call(self, complete: bool) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from serving import MODEL, Server  # noqa: E402
 
 @pytest.fixture
 def small_bodies(tiny_artifacts, tmp_path):
-    running = Server(tiny_artifacts["fp8"], tmp_path / "small-bodies", "--max-request-bytes", "4096")
+    running = Server(tiny_artifacts["fp8"], tmp_path / "small-bodies", "--max-request-bytes", "4096", "--body-timeout", "2")
     yield running
     running.stop()
 
@@ -119,3 +120,13 @@ def test_sigterm_drain_ends(tiny_artifacts, tmp_path, second_signal):
     if second_signal:
         assert server.process.returncode == 128 + signal.SIGTERM
         assert "second signal" in server.stderr_path.read_text()
+
+
+def test_a_body_promised_and_never_sent_gets_408(small_bodies):
+    """A client that sends headers promising 100 bytes and then stalls does not hold its connection forever."""
+    host, port = small_bodies.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{")
+        answer = conn.recv(4096).decode()
+    assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer, answer

@@ -152,6 +152,12 @@ def test_cut_off_inside_a_header():
     assert parse("ok" + SECTION_BEGIN + CALL_BEGIN + "functions.get_wea").calls == parser.calls
 
 
+@pytest.mark.parametrize("header", ["functions", "functions.", "func"])
+def test_a_header_cut_before_its_name_names_no_function(header):
+    parser = parse("ok" + SECTION_BEGIN + CALL_BEGIN + header)
+    assert parser.calls == [ToolCall(header, "", "", complete=False)]
+
+
 def test_call_end_without_arguments():
     parser = ToolCallParser()
     assert parser.feed(SECTION_BEGIN + CALL_BEGIN + "functions.ping:0" + CALL_END).calls == (

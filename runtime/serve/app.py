@@ -38,18 +38,20 @@ from ..scheduler import QueueFull
 OPEN_ROUTES = {"/health"}  # reachable without the API key
 RETRY_AFTER_S = "1"
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 class Service:
     """What the routes serve: the engine, the artifact's tokenizer (None: token ids only) and the model's name."""
 
     def __init__(self, engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, metrics: ServerMetrics,
-                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -112,16 +114,23 @@ class Service:
         return await self.collect(request, job, updates, reply)
 
     async def read_body(self, request: Request) -> bytes:
-        """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes."""
+        """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes, and with a
+        408 when it has not all arrived within --body-timeout seconds (a client that promises a body and stalls
+        would otherwise hold its connection forever)."""
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_request_bytes:
             raise _too_large(self.max_request_bytes)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                raise _too_large(self.max_request_bytes)
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > self.max_request_bytes:
+                        raise _too_large(self.max_request_bytes)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"The request body did not arrive within {self.body_timeout:g} s (--body-timeout).",
+                           code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
     def prompt_ids(self, options: Options) -> tuple[list[int], ToolSteering]:
@@ -285,10 +294,11 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, metrics: ServerMetrics,
               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
               allow_origins: tuple[str, ...] = ()) -> Starlette:
     """allow_origins: the web origins whose pages may call the API (CORS); none by default, so a browser keeps
     every other site's scripts from reading answers."""
-    service = Service(engine, tokenizer, model_name, metrics, max_request_bytes)
+    service = Service(engine, tokenizer, model_name, metrics, max_request_bytes, body_timeout)
     routes = [
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),

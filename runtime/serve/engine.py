@@ -47,12 +47,13 @@ class Engine:
     def start(self) -> None:
         self.thread.start()
 
-    def stop(self) -> None:
-        """Ends the thread after its current step; requests still there get an error."""
+    def stop(self, reason: str = "the server is shutting down") -> None:
+        """Ends the thread after its current step; requests still there get an error saying `reason`."""
         self.stopping.set()
-        self.thread.join()
+        if self.thread.is_alive():
+            self.thread.join()
         for request in self.loop.scheduler.drain_all():
-            self.loop.send(request, Update(error="the server is shutting down"))
+            self.loop.send(request, Update(error=reason))
 
     @property
     def alive(self) -> bool:
