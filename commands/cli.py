@@ -151,6 +151,21 @@ def _prompt_ids(text: str) -> list[int]:
         raise K2Error(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
 
 
+def _logit_bias(items: list[str], vocab: int) -> tuple[tuple[int, float], ...]:
+    """--logit-bias ID=BIAS items -> ((id, bias), ...), each id inside the vocabulary."""
+    pairs = []
+    for item in items:
+        token, _, bias = item.partition("=")
+        try:
+            pair = int(token), float(bias)
+        except ValueError:
+            raise K2Error(f"--logit-bias {item!r}: expected TOKEN_ID=BIAS, e.g. 42=-100") from None
+        if not 0 <= pair[0] < vocab:
+            raise K2Error(f"--logit-bias {item!r}: token {pair[0]} is outside the vocabulary [0, {vocab})")
+        pairs.append(pair)
+    return tuple(pairs)
+
+
 def _read_tools(path: str) -> list[dict]:
     from ..runtime.chat_tools import check_tools
 
@@ -191,7 +206,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         prompt = _prompt_ids(args.prompt_ids)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                             max_new_tokens=args.max_new_tokens, stop_ids=tuple(tokenizer.stop_ids) if tokenizer else (),
-                            banned_ids=steering.banned_ids)
+                            banned_ids=steering.banned_ids, min_p=args.min_p, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logit_bias=_logit_bias(args.logit_bias, manifest.config.vocab_size))
     result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate([prompt], params)[0]
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
     calls, finish_reason = [], result.finish_reason
@@ -319,6 +336,17 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     generate.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1)")
     generate.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest, 0 for all (default: 0)")
+    generate.add_argument("--min-p", type=float, default=0.0,
+                          help="drop tokens less likely than this times the likeliest one (default: 0)")
+    generate.add_argument("--presence-penalty", type=float, default=0.0,
+                          help="OpenAI's: subtracted from a token's logit once it is in the output, -2 to 2 (default: 0)")
+    generate.add_argument("--frequency-penalty", type=float, default=0.0,
+                          help="OpenAI's: subtracted per time a token is in the output, -2 to 2 (default: 0)")
+    generate.add_argument("--repetition-penalty", type=float, default=1.0,
+                          help="transformers': logits of tokens in the prompt or output divided (positive) or "
+                               "multiplied (negative) by this (default: 1, none)")
+    generate.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                          help="add BIAS (-100 to 100) to token ID's logit; repeat for several")
     generate.add_argument("--seed", type=int, help="random seed for sampling")
     generate.set_defaults(func=cmd_generate)
 

@@ -140,9 +140,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
                     allow_origins=tuple(args.allow_origin))
     listener = _bind(args.host, args.port)
     host, port = listener.getsockname()[:2]
-    if api_key is None and not ipaddress.ip_address(host).is_loopback:
-        print(f"k2deploy serve: warning: listening on {host}, reachable from other machines, without an API key; "
-              f"anyone who can reach it can generate (give --api-key-file)", file=sys.stderr, flush=True)
+    warning = exposure_warning(host, api_key)
+    if warning:
+        print(f"k2deploy serve: warning: {warning}", file=sys.stderr, flush=True)
     pool = engine.cache.pool
     print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
           f"context {engine.context}, cache pool {pool.pages * pool.page_size} tokens in {pool.pages} pages of "
@@ -191,6 +191,14 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if not key.strip():
         raise K2Error(f"{source} is empty: an empty key would let anyone in; give a key or none at all")
     return key
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """What to tell the user who serves on an address other machines can reach, with no key to keep them out."""
+    if api_key is not None or ipaddress.ip_address(host).is_loopback:
+        return None
+    return (f"listening on {host}, reachable from other machines, without an API key: anyone who can reach it can "
+            f"generate (give --api-key-file, or bind 127.0.0.1)")
 
 
 def _after(seconds: float, call) -> None:

@@ -140,6 +140,10 @@ class ChatTokenizer:
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         raise NotImplementedError
 
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (a piece of a character is a piece of its UTF-8), special tokens as their names."""
+        return self.decode([token]).encode()
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat (and the tools it may call), rendered with the checkpoint's own template."""

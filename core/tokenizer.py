@@ -270,6 +270,9 @@ class KimiTokenizer(ChatTokenizer):
             ids = [i for i in ids if i not in self.skipped]
         return self._encoding.decode(list(ids))
 
+    def token_bytes(self, token: int) -> bytes:
+        return self._encoding.decode_single_token_bytes(token)
+
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
     try:

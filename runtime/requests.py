@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -22,6 +22,16 @@ class Update:
     error: str | None = None  # the step failed; the request is over
     tool_calls: tuple[CallDelta, ...] = ()
     token_ids: tuple[int, ...] = ()  # the sampled ids this update covers (without a stop id)
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per id of token_ids, where the request asked for them
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability under the model and the likeliest tokens' (id, log-probability)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 class TextStream:
@@ -127,8 +137,9 @@ class GenerationRequest:
         self.slot, self.cached = None, 0
         self.preempted += 1
 
-    def accept(self, token: int) -> Update:
-        """One sampled token -> the update for the client; sets finish_reason when this token ends the request."""
+    def accept(self, token: int, logprob: TokenLogprob | None = None) -> Update:
+        """One sampled token (with its log-probabilities, if asked for) -> the update for the client; sets
+        finish_reason when this token ends the request."""
         now = time.perf_counter()
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
@@ -137,10 +148,12 @@ class GenerationRequest:
         self.generated.append(token)
         text, stopped = self.text.push(token) if self.text else ("", False)
         if stopped:
-            return self._update(text, (token,), "stop")
-        if len(self.generated) >= self.params.max_new_tokens:
-            return self._update(text + self._flush(), (token,), "length")
-        return self._update(text, (token,), None)
+            update = self._update(text, (token,), "stop")
+        elif len(self.generated) >= self.params.max_new_tokens:
+            update = self._update(text + self._flush(), (token,), "length")
+        else:
+            update = self._update(text, (token,), None)
+        return replace(update, logprobs=(logprob,)) if logprob is not None else update
 
     def end(self, reason: str) -> Update:
         """Ends it without a token (the cache cannot hold more of it): the last update, finish_reason `reason`."""

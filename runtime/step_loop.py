@@ -32,8 +32,8 @@ from .batch_forward import BatchForward
 from .cache import pages_for
 from .interface import Model
 from .page_pool import PoolFull
-from .requests import GenerationRequest, Update
-from .sampling import sample
+from .requests import GenerationRequest, TokenLogprob, Update
+from .sampling import sample, token_logprobs
 from .scheduler import Scheduler
 
 if TYPE_CHECKING:
@@ -217,9 +217,11 @@ class StepLoop:
         for request, row in zip(requests, logits):
             previous_at, generated = request.last_token_at, len(request.generated)
             started = time.perf_counter()
-            token = sample(row, request.params, request.rng)
+            params = request.params
+            token = sample(row, params, request.rng, request.prompt_ids, request.generated)
+            logprob = None if params.logprobs is None else TokenLogprob(token, *token_logprobs(row, token, params.logprobs))
             self.sampling_seconds += time.perf_counter() - started
-            update = request.accept(token)
+            update = request.accept(token, logprob)
             if self.metrics:
                 if previous_at is None:
                     self.metrics.ttft.observe(request.first_token_at - request.arrived_at)

@@ -36,7 +36,84 @@ def tokenizer(tiny_artifacts):
 
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        server.client().models.retrieve("gpt-4")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def test_logprobs_are_the_log_softmax_of_the_models_logits(server, tiny_artifacts, tokenizer):
+    """Each sampled token's logprob and top_logprobs, chat and completions, whole and streamed, to float rounding:
+    the first token's against `score`'s logits of the prompt; every token's against the logits of the same prefill
+    and decode steps run here (decode reads the past from the FP8 cache, so later positions differ from one
+    float32 prefill of the whole text by what that format changes). Prompts share no cache page, so no answer
+    reads another's prefix from the cache."""
+    from k2deploy.core.manifest import load_manifest
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.sampling import SamplingParams
+
+    client, generator = server.client(), Generator(OrtModel(load_manifest(tiny_artifacts["fp8"])))
+    asked = {"max_tokens": 8, "temperature": 0}
+    first, second = "The harbour town wakes before the sun.", "Gulls circle over the quiet boats."
+    completion = client.completions.create(model=MODEL, prompt=first, logprobs=3, **asked).choices[0].logprobs
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=MODEL, prompt=second, logprobs=2, stream=True, **asked) if c.choices[0].logprobs]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": first}], logprobs=True,
+                                          top_logprobs=2, **asked).choices[0].logprobs.content
+    cases = [
+        (tokenizer.encode(first), completion.tokens, completion.token_logprobs,
+         [list(t.values()) for t in completion.top_logprobs]),
+        (tokenizer.encode(second), [t for c in streamed for t in c.tokens],
+         [lp for c in streamed for lp in c.token_logprobs], [list(t.values()) for c in streamed for t in c.top_logprobs]),
+        (tokenizer.encode_chat([{"role": "user", "content": first}]), [e.token for e in chat],
+         [e.logprob for e in chat], [[t.logprob for t in e.top_logprobs] for e in chat]),
+    ]
+    for prompt_ids, tokens, logprobs, tops in cases:
+        # greedy: the server's tokens are generate's (tested above), named by their text
+        ids = generator.generate([prompt_ids], SamplingParams(max_new_tokens=len(tokens)))[0].token_ids
+        assert tokens == [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
+        assert logprobs[0] == pytest.approx(_log_softmax(generator.score(prompt_ids)[-1])[ids[0]], abs=1e-4)
+        cache = generator.model.new_cache(1, len(prompt_ids) + len(ids))
+        rows = [generator.prefill([prompt_ids], cache)[0]]
+        rows += [generator.decode(np.array([t]), np.array([True]), cache)[0] for t in ids[:-1]]
+        expected = _log_softmax(np.stack(rows))
+        assert logprobs == pytest.approx(expected[np.arange(len(ids)), ids].tolist(), abs=1e-4)
+        for row, top in zip(expected, tops):  # completions' top_logprobs map text to logprob: same texts merge
+            best = np.sort(row)[::-1][:3]
+            assert top[0] == pytest.approx(best[0], abs=1e-4) and top == sorted(top, reverse=True)
+            assert all(np.isclose(best, lp, atol=1e-4).any() for lp in top)
+    assert [c.text_offset[0] for c in streamed] == [sum(map(len, streamed[0].tokens[:0]))] + [
+        sum(len(t) for c in streamed[:i] for t in c.tokens) for i in range(1, len(streamed))]
+
+
+def test_penalties_and_logit_bias_steer_the_server_as_generate(server, tiny_artifacts, tokenizer):
+    from k2deploy.core.manifest import load_manifest
+    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.sampling import SamplingParams
+
+    client, prompt = server.client(), "The ferry leaves at dawn and the ferry returns at dusk."
+    forced = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=1, seed=3,
+                                       logit_bias={"7": 100}, extra_body={"top_k": 5, "min_p": 0.1})
+    assert forced.choices[0].text == tokenizer.decode([7] * 4, skip_special=True)
+    generator = Generator(OrtModel(load_manifest(tiny_artifacts["fp8"])))
+    # a bias that makes token 7 the likeliest every step; the penalties then turn greedy decoding away from it
+    penalties = {"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 1.3}
+    penalised = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0,
+                                          logit_bias={"7": 30}, frequency_penalty=2, presence_penalty=2,
+                                          extra_body={"repetition_penalty": 1.3})
+    outputs = {}
+    for name, options in (("plain", {}), ("penalised", penalties)):
+        params = SamplingParams(max_new_tokens=16, stop_ids=tokenizer.stop_ids, logit_bias=((7, 30.0),), **options)
+        outputs[name] = generator.generate([tokenizer.encode(prompt)], params)[0].token_ids
+    assert penalised.choices[0].text == tokenizer.decode(outputs["penalised"], skip_special=True)
+    assert outputs["plain"].count(7) == 16 and 0 < outputs["penalised"].count(7) < 16, outputs
 
 
 def test_greedy_completion_is_what_generate_gives(server, tiny_artifacts, tokenizer):
@@ -206,8 +283,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, None,
      "stream_options", "only allowed when `stream` is true"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "unsupported_option", "n", "not supported"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, 400, "unsupported_option", "logprobs",
-     "not supported"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, None, "logprobs", "[0, 20]"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, None, "top_logprobs", "needs `logprobs` set to true"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 3}, 400, None, "presence_penalty",
+     "[-2, 2]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, None, "logit_bias",
+     "keys must be token ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 150}}, 400, None, "logit_bias",
+     "[-100, 100]"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999": 1}}, 400, None, "logit_bias",
+     "outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, None, "repetition_penalty",
+     "greater than 0"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True}, 400, "unsupported_option", "echo",
      "not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3}, 400, "unsupported_option", "best_of",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.commands.serve_command import add_serve_parser
+from k2deploy.commands.serve_command import add_serve_parser, exposure_warning
 from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
 from k2deploy.runtime.requests import GenerationRequest, TextStream
 from k2deploy.runtime.scheduler import QueueFull, Scheduler
@@ -220,3 +220,10 @@ def test_sampling_never_picks_a_banned_token():
     assert sample(logits, SamplingParams(banned_ids=(1,)), rng) == 2
     hot = SamplingParams(temperature=2.0, banned_ids=(1,))
     assert 1 not in {sample(logits, hot, rng) for _ in range(200)}
+
+
+def test_serving_beyond_this_machine_without_a_key_is_warned_about():
+    assert "reachable from other machines, without an API key" in exposure_warning("0.0.0.0", None)
+    assert "reachable from other machines" in exposure_warning("::", None)
+    assert exposure_warning("0.0.0.0", "sesame") is None
+    assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None

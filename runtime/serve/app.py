@@ -30,8 +30,8 @@ from ..sampling import SamplingParams
 from ..tool_calls import ToolCallParser
 from .engine import Engine
 from .metrics import ServerMetrics
-from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, max_new_tokens, models_list, parse_json,
-                       parse_options, sse, usage)
+from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
+                       parse_json, parse_options, sse, usage)
 from ..requests import GenerationRequest, Update
 from ..scheduler import QueueFull
 
@@ -66,6 +66,14 @@ class Service:
     async def models(self, request: Request) -> Response:
         return JSONResponse(models_list(self.model_name, self.created, self.engine.context))
 
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{id}: the served model, or a 404 model_not_found."""
+        name = request.path_params["model"]
+        if name != self.model_name:
+            raise ApiError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           param="model", code="model_not_found")
+        return JSONResponse(models_list(self.model_name, self.created, self.engine.context)["data"][0])
+
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, chat=False)
 
@@ -88,10 +96,18 @@ class Service:
             raise ApiError(404, f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         prompt_ids, steering = await asyncio.to_thread(self.prompt_ids, options)
+        vocab = self.engine.model.config.vocab_size
+        outside = [token for token, _ in options.logit_bias if token >= vocab]
+        if outside:
+            raise bad_request(f"`logit_bias` names token {outside[0]}, outside the vocabulary [0, {vocab}).",
+                              param="logit_bias")
         params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
                                 max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
                                 stop_ids=tuple(self.tokenizer.stop_ids) if self.tokenizer else (),
-                                banned_ids=steering.banned_ids)
+                                banned_ids=steering.banned_ids, top_k=options.top_k, min_p=options.min_p,
+                                presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+                                repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
+                                logprobs=options.logprobs)
         updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
         loop = asyncio.get_running_loop()
         tokenizer = self.tokenizer
@@ -109,9 +125,15 @@ class Service:
                                 "Retry after a moment.", type="server_busy", code="queue_full",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
         reply = Reply.new(chat, self.model_name)
+        logprobs = None if options.logprobs is None else lambda entries, offset=0: logprobs_object(
+            chat, entries, self.token_bytes, offset)
         if options.stream:
-            return GenerationStream(self.events(job, updates, reply, options.include_usage), job)
-        return await self.collect(request, job, updates, reply)
+            return GenerationStream(self.events(job, updates, reply, options.include_usage, logprobs), job)
+        return await self.collect(request, job, updates, reply, logprobs)
+
+    def token_bytes(self, token: int) -> bytes:
+        """A token as logprobs name it: its bytes (special tokens' names), or `token_id:N` without a tokenizer."""
+        return self.tokenizer.token_bytes(token) if self.tokenizer else f"token_id:{token}".encode()
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, refused with a 413 as soon as it is known to exceed --max-request-bytes, and with a
@@ -157,30 +179,35 @@ class Service:
                               param="prompt")
         return list(options.prompt), ToolSteering("", ())
 
-    async def collect(self, request: Request, job: GenerationRequest, updates: asyncio.Queue, reply: Reply) -> Response:
-        """A whole (non-streamed) answer; stops waiting, and cancels the request, if the client disconnects."""
+    async def collect(self, request: Request, job: GenerationRequest, updates: asyncio.Queue, reply: Reply,
+                      logprobs) -> Response:
+        """A whole (non-streamed) answer; stops waiting, and cancels the request, if the client disconnects.
+        logprobs: None, or entries -> OpenAI's logprobs object."""
         watcher = asyncio.create_task(_watch_disconnect(request, job, updates))
         try:
-            parts, calls = [], ToolCallsAssembly()
+            parts, calls, entries = [], ToolCallsAssembly(), []
             while (update := await updates.get()) is not None:
                 if update.error:
                     raise ApiError(500, update.error, type="server_error")
                 parts.append(update.text)
                 calls.add(update.tool_calls)
+                entries += update.logprobs
                 if update.finish_reason:
                     counts = usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)
                     return JSONResponse(reply.response("".join(parts), update.finish_reason, counts, calls.calls,
-                                                       None if self.tokenizer else list(job.generated)))
+                                                       None if self.tokenizer else list(job.generated),
+                                                       logprobs(entries) if logprobs else None))
             return Response(status_code=499)  # nobody is listening any more
         finally:
             watcher.cancel()
 
     async def events(self, job: GenerationRequest, updates: asyncio.Queue, reply: Reply,
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, logprobs) -> AsyncIterator[str]:
         """OpenAI's stream: a chunk per token (its text may be empty while a character or a possible stop
         string is incomplete, so the first chunk marks the first token), the finish reason, [usage,] [DONE]."""
         if reply.chat:
             yield sse(reply.chunk("", role=True))
+        offset = 0  # completions' text_offset of the next token
         while True:
             update = await updates.get()
             if update.error:
@@ -188,7 +215,10 @@ class Service:
                 break
             calls = [c.to_openai() for c in update.tool_calls]
             ids = None if self.tokenizer else list(update.token_ids)
-            yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids))
+            chunk_logprobs = logprobs(update.logprobs, offset) if logprobs and update.logprobs else None
+            offset += sum(len(self.token_bytes(e.token).decode("utf-8", "replace")) for e in update.logprobs)
+            yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids,
+                                  logprobs=chunk_logprobs))
             if update.finish_reason:
                 if include_usage:
                     yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)))
@@ -303,6 +333,7 @@ def build_app(engine: Engine, tokenizer: ChatTokenizer | None, model_name: str, 
         Route("/health", service.health, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),
         Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", service.model, methods=["GET"]),
         Route("/v1/completions", service.completions, methods=["POST"]),
         Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
     ]

@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ...core.errors import K2Error
 from ...core.json_files import loads
 from ..chat_tools import check_tool_choice, check_tools
+from ..requests import TokenLogprob
+from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**63)
@@ -26,15 +29,12 @@ NEUTRAL_VALUES = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "response_format": ({"type": "text"},),
 }
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
-                 "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs"}
+                 "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
+                 "top_k", "min_p", "repetition_penalty"}  # the last three: extras other servers take too
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                                "parallel_tool_calls", "response_format"}
@@ -79,6 +79,13 @@ class Options:
     tools: list[dict] | None = None  # chat: OpenAI's function tools, checked
     tool_choice: str | dict = "none"  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None  # None: none asked; n: the sampled token's and the n likeliest tokens'
 
 
 def parse_json(raw: bytes) -> dict:
@@ -127,11 +134,56 @@ def parse_options(body: dict, chat: bool) -> Options:
         raise bad_request("`seed` must fit in a signed 64-bit integer", param="seed")
     _optional(body, "user", str, None)
     tools, tool_choice = _tools(body) if chat else (None, "none")
+    top_k = _optional(body, "top_k", int, 0)
+    if top_k < -1:
+        raise bad_request(f"`top_k` must be -1 or 0 (no limit) or a positive number of tokens, got {top_k}",
+                          param="top_k")
+    repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
+    if repetition_penalty == 0:
+        raise bad_request("`repetition_penalty` must be greater than 0 (1: none)", param="repetition_penalty")
     return Options(chat=chat, model=model, prompt=None if chat else _prompt(body),
                    messages=_messages(body) if chat else None, max_tokens=max_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage,
                    tools=tools, tool_choice=tool_choice,
-                   parallel_tool_calls=_optional(body, "parallel_tool_calls", bool, True))
+                   parallel_tool_calls=_optional(body, "parallel_tool_calls", bool, True),
+                   presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE),
+                   frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
+                   repetition_penalty=repetition_penalty, top_k=max(top_k, 0),
+                   min_p=_number(body, "min_p", 0.0, 0.0, 1.0), logit_bias=_logit_bias(body),
+                   logprobs=_logprobs(body, chat))
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """{"token id": bias in [-100, 100]} -> ((id, bias), ...); the ids are checked against the vocabulary later."""
+    value = _optional(body, "logit_bias", dict, {})
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad_request(f"`logit_bias` takes at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", param="logit_bias")
+    pairs = []
+    for key, bias in value.items():
+        if not (key.isdigit() and len(key) <= 9):
+            raise bad_request(f"`logit_bias` keys must be token ids, got {json.dumps(key)}", param="logit_bias")
+        if not isinstance(bias, int | float) or isinstance(bias, bool) or not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+            raise bad_request(f"`logit_bias` values must be numbers in [-100, 100], got {json.dumps(bias)} for "
+                              f"token {key}", param="logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: `logprobs` true, with `top_logprobs` 0-20; completions: `logprobs` 0-20 (the top count) -> the count,
+    or None when no log-probabilities are asked for."""
+    if not chat:
+        count = _optional(body, "logprobs", int, None)
+        if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"`logprobs` must lie in [0, {MAX_TOP_LOGPROBS}], got {count}", param="logprobs")
+        return count
+    wanted = _optional(body, "logprobs", bool, False)
+    top = _optional(body, "top_logprobs", int, None)
+    if top is not None and not wanted:
+        raise bad_request("`top_logprobs` needs `logprobs` set to true", param="top_logprobs")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"`top_logprobs` must lie in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def max_new_tokens(options: Options, prompt_tokens: int, context: int) -> int:
@@ -313,34 +365,64 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def response(self, text: str, finish_reason: str, usage: dict, tool_calls: list[dict] | None = None,
-                 token_ids: list[int] | None = None) -> dict:
+                 token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
         """The whole answer; `token_ids` (the generated ids) only where the artifact has no tokenizer to give text."""
         if self.chat:
             message = {"role": "assistant", "content": text or None if tool_calls else text}
             choice = {"index": 0, "message": message | ({"tool_calls": tool_calls} if tool_calls else {}),
-                      "logprobs": None, "finish_reason": finish_reason}
+                      "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion", [choice]) | {"usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("text_completion", [choice]) | {"usage": usage}
 
     def chunk(self, text: str, finish_reason: str | None = None, role: bool = False,
-              tool_calls: list[dict] | None = None, token_ids: list[int] | None = None) -> dict:
+              tool_calls: list[dict] | None = None, token_ids: list[int] | None = None,
+              logprobs: dict | None = None) -> dict:
         """One streamed piece; `role` marks a chat stream's first chunk, which names the assistant."""
         if self.chat:
             delta = {"content": text} if text or not (finish_reason or tool_calls) else {}  # may be empty at the end
             delta |= {"tool_calls": tool_calls} if tool_calls else {}
             delta = {"role": "assistant"} | delta if role else delta
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("text_completion", [choice])
 
     def usage_chunk(self, usage: dict) -> dict:
         return self._envelope("chat.completion.chunk" if self.chat else "text_completion", []) | {"usage": usage}
+
+
+def logprobs_object(chat: bool, entries: Sequence[TokenLogprob], token_bytes: Callable[[int], bytes],
+                    text_offset: int = 0) -> dict:
+    """OpenAI's logprobs of some sampled tokens: chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
+    completions' {tokens, token_logprobs, top_logprobs, text_offset} (offsets from text_offset on). A token's text
+    is its bytes as UTF-8, a piece of a character as U+FFFD (chat's `bytes` keep the piece)."""
+    def token_text(token: int) -> str:
+        return token_bytes(token).decode("utf-8", "replace")
+
+    if chat:
+        def item(token: int, logprob: float) -> dict:
+            return {"token": token_text(token), "logprob": logprob, "bytes": list(token_bytes(token))}
+
+        return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]}
+                            for e in entries]}
+    tokens = [token_text(e.token) for e in entries]
+    offsets = [text_offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [_first_of((token_text(t), lp) for t, lp in e.top) for e in entries], "text_offset": offsets}
+
+
+def _first_of(pairs) -> dict:
+    """A dict of (key, value) pairs where a repeated key keeps its first value (tokens of the same text: the
+    likeliest)."""
+    out: dict = {}
+    for key, value in pairs:
+        out.setdefault(key, value)
+    return out
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
