@@ -144,6 +144,10 @@ class ChatTokenizer:
         """One token's own bytes (a piece of a character is a piece of its UTF-8), special tokens as their names."""
         return self.decode([token]).encode()
 
+    def grammar_tokenizer(self, vocab_size: int):
+        """This vocabulary for llguidance's grammar engine (an `llguidance.LLTokenizer`, made once per model)."""
+        raise NotImplementedError
+
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat (and the tools it may call), rendered with the checkpoint's own template."""

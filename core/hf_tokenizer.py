@@ -76,6 +76,12 @@ class HfTokenizer(ChatTokenizer):
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._template = read_template(folder, config_path, config)
         self._tool_template = read_template(folder, config_path, config, tools=True)
+        self._source = folder / TOKENIZER_JSON
+
+    def grammar_tokenizer(self, vocab_size: int):
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(str(self._source), n_vocab=vocab_size, eos_token=list(self.stop_ids))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HfTokenizer:

@@ -273,6 +273,11 @@ class KimiTokenizer(ChatTokenizer):
     def token_bytes(self, token: int) -> bytes:
         return self._encoding.decode_single_token_bytes(token)
 
+    def grammar_tokenizer(self, vocab_size: int):
+        from llguidance.tiktoken import lltokenizer_from_encoding
+
+        return lltokenizer_from_encoding(self._encoding, n_vocab=vocab_size, eos_token=list(self.stop_ids))
+
 
 def _read_ranks(path: Path) -> dict[bytes, int]:
     try:

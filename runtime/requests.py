@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from .constrained import Constraint
 from .sampling import SamplingParams
 from .tool_calls import CallDelta, ToolCallParser
 
@@ -89,9 +90,10 @@ class GenerationRequest:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
                  parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
-                 row: int = 0):
+                 row: int = 0, constraint: Constraint | None = None):
         self.prompt_ids = prompt_ids
         self.params = params
+        self.constraint = constraint  # the grammar its answer must keep to (runtime/constrained.py), if any
         # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, row])
         self.text = TextStream(decode, stop) if decode is not None else None

@@ -217,8 +217,11 @@ class StepLoop:
         for request, row in zip(requests, logits):
             previous_at, generated = request.last_token_at, len(request.generated)
             started = time.perf_counter()
-            params = request.params
-            token = sample(row, params, request.rng, request.prompt_ids, request.generated)
+            params, constraint = request.params, request.constraint
+            allowed = row if constraint is None else constraint.allowed(row)
+            token = sample(allowed, params, request.rng, request.prompt_ids, request.generated)
+            if constraint is not None and token not in params.stop_ids:
+                constraint.consume(token)
             logprob = None if params.logprobs is None else TokenLogprob(token, *token_logprobs(row, token, params.logprobs))
             self.sampling_seconds += time.perf_counter() - started
             update = request.accept(token, logprob)

@@ -432,3 +432,66 @@ def test_a_drain_that_times_out_ends_each_stream_with_an_error_event(tiny_artifa
         assert "Traceback" not in server.stderr_path.read_text()
     finally:
         server.stop()
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TWO_TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": WEATHER, "strict": True}},
+             {"type": "function", "function": {"name": "clock", "parameters": {
+                 "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+                 "additionalProperties": False}}}]
+
+
+def _many(calls, count=50):
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(calls, range(count)))
+
+
+def test_json_schema_answers_validate_at_temperature_1(server):
+    """A random-weight model sampled at temperature 1: every answer is JSON that follows the schema."""
+    jsonschema = pytest.importorskip("jsonschema")
+    client = server.client()
+    answers = _many(lambda seed: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Weather, please ({seed})"}], temperature=1, seed=seed,
+        max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
+                                                                                 "strict": True}}).choices[0])
+    for answer in answers:
+        assert answer.finish_reason == "stop", answer
+        jsonschema.validate(json.loads(answer.message.content), WEATHER)
+    objects = _many(lambda seed: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Anything"}], temperature=1, seed=seed, max_tokens=200,
+        response_format={"type": "json_object"}).choices[0], count=10)
+    finished = [o for o in objects if o.finish_reason == "stop"]  # any object may run past max_tokens
+    assert finished and all(isinstance(json.loads(o.message.content), dict) for o in finished)
+
+
+def test_tool_calls_at_temperature_1_name_declared_tools_with_valid_arguments(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    client, schemas = server.client(), {t["function"]["name"]: t["function"]["parameters"] for t in TWO_TOOLS}
+    for choice, count, parallel in (("required", 50, False), ("auto", 10, True)):  # one call, or any number
+        answers = _many(lambda seed: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Weather or time? ({seed})"}], tools=TWO_TOOLS,
+            tool_choice=choice, parallel_tool_calls=parallel, temperature=1, seed=seed, max_tokens=160).choices[0],
+            count)
+        ended = [a for a in answers if a.finish_reason == "tool_calls"]  # the rest ran past max_tokens
+        if choice == "required":
+            assert len(ended) >= 40 and all(a.finish_reason in ("tool_calls", "length") for a in answers)
+        for call in (c for a in ended for c in a.message.tool_calls):
+            jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    plain = _many(lambda seed: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": f"Weather? ({seed})"}], temperature=1, seed=seed,
+        max_tokens=8).choices[0])
+    assert not any(a.message.tool_calls or a.finish_reason == "tool_calls" for a in plain)
+
+
+@pytest.mark.parametrize("response_format, words", [
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "cannot be enforced"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "must be {\"name\""),
+    ({"type": "yaml"}, "text, json_object or json_schema"),
+])
+def test_a_response_format_that_cannot_be_enforced_is_a_400(server, response_format, words):
+    answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
+    assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text

@@ -26,6 +26,7 @@ from starlette.routing import Route
 from ...core.chat_template import ChatTokenizer
 from ...core.errors import K2Error
 from ..chat_tools import ToolSteering
+from ..constrained import Constraint, GrammarError, Grammars, json_grammar, tools_grammar
 from ..sampling import SamplingParams
 from ..tool_calls import ToolCallParser
 from .engine import Engine
@@ -52,6 +53,7 @@ class Service:
         self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
+        self.grammars: Grammars | None = None  # the vocabulary in the grammar engine's form, made on first use
         self.created = int(time.time())
 
     async def health(self, request: Request) -> Response:
@@ -96,6 +98,7 @@ class Service:
             raise ApiError(404, f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
         prompt_ids, steering = await asyncio.to_thread(self.prompt_ids, options)
+        constraint = await asyncio.to_thread(self.constraint, options, steering)
         vocab = self.engine.model.config.vocab_size
         outside = [token for token, _ in options.logit_bias if token >= vocab]
         if outside:
@@ -115,7 +118,7 @@ class Service:
                                 (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
                                 deliver=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
                                 parser=ToolCallParser() if chat else None, forced_text=steering.forced_text,
-                                single_call=not options.parallel_tool_calls)
+                                single_call=not options.parallel_tool_calls, constraint=constraint)
         try:
             self.engine.submit(job)
         except K2Error as exc:  # the prompt does not fit the context or the whole cache
@@ -130,6 +133,25 @@ class Service:
         if options.stream:
             return GenerationStream(self.events(job, updates, reply, options.include_usage, logprobs), job)
         return await self.collect(request, job, updates, reply, logprobs)
+
+    def constraint(self, options: Options, steering: ToolSteering) -> Constraint | None:
+        """The grammar the answer must keep to: a JSON value for response_format, the declared tools' calls when
+        tools may be called; None when the answer is free."""
+        tools = options.tools if options.tool_choice != "none" else None
+        if not (options.json_answer or tools):
+            return None
+        if self.tokenizer is None:
+            raise bad_request("`response_format` JSON needs the artifact's tokenizer, which it does not have.",
+                              param="response_format")
+        if self.grammars is None:
+            self.grammars = Grammars(self.tokenizer, self.engine.model.config.vocab_size)
+        try:
+            if options.json_answer:
+                return self.grammars.constraint(json_grammar(options.json_schema))
+            grammar = tools_grammar(tools, options.tool_choice, single_call=not options.parallel_tool_calls)
+            return self.grammars.constraint(grammar, steering.forced_ids(self.tokenizer))
+        except GrammarError as exc:
+            raise bad_request(f"{exc}.", param="response_format" if options.json_answer else "tools") from None
 
     def token_bytes(self, token: int) -> bytes:
         """A token as logprobs name it: its bytes (special tokens' names), or `token_id:N` without a tokenizer."""

@@ -29,7 +29,6 @@ NEUTRAL_VALUES = {
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
-    "response_format": ({"type": "text"},),
 }
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
@@ -86,6 +85,8 @@ class Options:
     min_p: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None  # None: none asked; n: the sampled token's and the n likeliest tokens'
+    json_answer: bool = False  # response_format json_object or json_schema: the answer is one JSON value
+    json_schema: dict | None = None  # ... that follows this schema (None: any JSON object)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -150,7 +151,29 @@ def parse_options(body: dict, chat: bool) -> Options:
                    frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
                    repetition_penalty=repetition_penalty, top_k=max(top_k, 0),
                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0), logit_bias=_logit_bias(body),
-                   logprobs=_logprobs(body, chat))
+                   logprobs=_logprobs(body, chat), **_response_format(body, tools))
+
+
+def _response_format(body: dict, tools: list[dict] | None) -> dict:
+    """{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}} -> the Options fields json_answer and json_schema."""
+    value = _optional(body, "response_format", dict, {"type": "text"})
+    kind = value.get("type")
+    if kind == "text":
+        return {}
+    if kind not in ("json_object", "json_schema"):
+        raise bad_request(f"`response_format.type` must be text, json_object or json_schema, got {json.dumps(kind)}",
+                          param="response_format")
+    if tools:
+        raise bad_request("`response_format` JSON and `tools` together are not supported; send one of them",
+                          param="response_format", code="unsupported_option")
+    if kind == "json_object":
+        return {"json_answer": True}
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema", {}), dict):
+        raise bad_request('`response_format.json_schema` must be {"name": ..., "schema": {...}[, "strict": ...]}',
+                          param="response_format")
+    return {"json_answer": True, "json_schema": spec.get("schema", {})}
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:

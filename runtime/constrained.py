@@ -1,0 +1,127 @@
+"""Constrained decoding (llguidance): what an answer must be, as a grammar, and a matcher per request that masks
+the logits of every step to the tokens that keep the answer inside it.
+
+Two kinds of answer are constrained:
+- `response_format` json_object / json_schema: the whole answer is one JSON value (an object, or one that follows
+  the schema), written without free whitespace;
+- tool calls, when tools are declared: free text, then at most one section of calls in Kimi K2's format, each
+  naming a declared function and carrying arguments that follow its `parameters` schema (`strict: true`: exactly
+  that schema, refused if the engine cannot compile it; otherwise the schema where it compiles, else any JSON
+  object). `tool_choice` "required" or a named function makes the section (or that call) the whole answer.
+Without tools no call can start at all (runtime/chat_tools.py bans the markers).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..core.errors import K2Error
+from .tool_calls import KIMI_K2_MARKERS
+
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a random or weak model cannot pad it forever
+MAX_CALL_INDEX_DIGITS = 3
+
+
+class GrammarError(K2Error):
+    """A schema or grammar the engine cannot compile: the request's fault, answered with a 400."""
+
+
+def json_grammar(schema: dict | None) -> str:
+    """Any JSON object (schema None), or a JSON value that follows `schema`."""
+    from llguidance import LLMatcher
+
+    schema = {"type": "object"} if schema is None else schema
+    return LLMatcher.grammar_from_json_schema(_compact(schema))
+
+
+def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool) -> str:
+    """Kimi K2's answer with calls to `tools` (OpenAI's checked `tools`): free text and a section of calls
+    (choice "auto"), the section alone ("required"), or the section with calls to one function ({"function":
+    {"name"}}); single_call: one call in the section (parallel_tool_calls false)."""
+    from llguidance import LLMatcher
+
+    m = KIMI_K2_MARKERS
+    functions = [t["function"] for t in tools]
+    if isinstance(choice, dict):
+        functions = [f for f in functions if f["name"] == choice["function"]["name"]]
+    calls = [f'fn_{i}: "functions.{f["name"]}:" INDEX {m.argument_begin} args_{i}\n'
+             f'args_{i}: %json {json.dumps(_arguments_schema(f))}' for i, f in enumerate(functions)]
+    start = {"auto": "start: TEXT | TEXT? section"}.get(choice if isinstance(choice, str) else "", "start: section")
+    lark = "\n".join([
+        start,
+        r"TEXT: /(.|\n)+/",
+        f"section: {m.section_begin} call{'' if single_call else '+'} {m.section_end}",
+        f"call: {m.call_begin} ({' | '.join(f'fn_{i}' for i in range(len(functions)))}) {m.call_end}",
+        f"INDEX: /[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}/",
+        *calls,
+    ])
+    return LLMatcher.grammar_from_lark(lark)
+
+
+def _arguments_schema(function: dict) -> dict:
+    """The schema a call's arguments are held to: its parameters (strict: exactly; else if the engine compiles
+    them), else any JSON object."""
+    from llguidance import LLMatcher
+
+    schema = _compact(function.get("parameters") or {"type": "object", "properties": {}})
+    errors = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+    if not errors:
+        return schema
+    if function.get("strict"):
+        raise GrammarError(f"tool {function['name']}: its parameters schema cannot be enforced ({errors}); "
+                           f"simplify it or leave `strict` off")
+    return _compact({"type": "object"})
+
+
+def _compact(schema: dict) -> dict:
+    if not isinstance(schema, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {json.dumps(schema)[:100]}")
+    return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
+
+
+class Grammars:
+    """One model's vocabulary in llguidance's form (made on first use) and the matchers made over it."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        """tokenizer: the artifact's ChatTokenizer; vocab_size: the model's logits width."""
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._vocabulary = None
+
+    def constraint(self, grammar: str, forced_ids: list[int] = ()) -> Constraint:
+        """A fresh matcher of `grammar` that has already read `forced_ids` (the start of the answer that
+        tool_choice prefilled with the prompt); a GrammarError where the grammar does not compile."""
+        from llguidance import LLMatcher
+
+        if self._vocabulary is None:
+            self._vocabulary = self.tokenizer.grammar_tokenizer(self.vocab_size)
+        errors = LLMatcher.validate_grammar(grammar, self._vocabulary)
+        if errors:
+            raise GrammarError(f"the schema or grammar cannot be enforced: {errors}")
+        matcher = LLMatcher(self._vocabulary, grammar)
+        if forced_ids and matcher.consume_tokens(list(forced_ids)) is False or matcher.is_error():
+            raise GrammarError(f"the answer's forced start does not fit its grammar: {matcher.get_error()}")
+        return Constraint(matcher, self.vocab_size)
+
+
+@dataclass
+class Constraint:
+    """One request's matcher: masks a step's logits, then reads the token sampled from them."""
+
+    matcher: object  # llguidance.LLMatcher
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        self._mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)  # a bit per token, 1: allowed
+
+    def allowed(self, logits: np.ndarray) -> np.ndarray:
+        """logits [vocab] -> a copy with every token the grammar forbids next at -inf."""
+        self.matcher.unsafe_compute_mask_ptr(self._mask.ctypes.data, self._mask.nbytes)
+        bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:logits.shape[0]].astype(bool)
+        return np.where(bits, logits, -np.inf).astype(logits.dtype)
+
+    def consume(self, token: int) -> None:
+        if not self.matcher.consume_token(token):
+            raise K2Error(f"token {token} broke the answer's grammar: {self.matcher.get_error()}")
