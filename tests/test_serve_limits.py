@@ -120,6 +120,10 @@ def test_sigterm_drain_ends(tiny_artifacts, tmp_path, second_signal):
     if second_signal:
         assert server.process.returncode == 128 + signal.SIGTERM
         assert "second signal" in server.stderr_path.read_text()
+    else:  # the stream hears why, then ends properly; the server logs no traceback
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        assert "shut down before this request finished (--drain-timeout 1 s)" in rest[-2]
+        assert "Traceback" not in server.stderr_path.read_text()
 
 
 def test_a_body_promised_and_never_sent_gets_408(small_bodies):

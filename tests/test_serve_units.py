@@ -110,7 +110,8 @@ def test_options_are_checked_strictly():
                          chat=True)
     assert chat.messages == [{"role": "user", "content": "ab"}]
     assert max_new_tokens(chat, prompt_tokens=10, context=64) == 54  # chat: the rest of the context
-    for body in ({"model": "m", "prompt": "a", "n": True}, {"model": "m", "prompt": "a", "frequency_penalty": 0.5},
+    assert parse_options({"model": "m", "prompt": "a", "frequency_penalty": 0.5}, chat=False).frequency_penalty == 0.5
+    for body in ({"model": "m", "prompt": "a", "n": True}, {"model": "m", "prompt": "a", "frequency_penalty": 2.5},
                  {"model": "m", "messages": [{"role": "user", "content": "a"}]}):
         with pytest.raises(ApiError) as error:
             parse_options(body, chat=False)
