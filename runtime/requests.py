@@ -90,9 +90,12 @@ class GenerationRequest:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
                  parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
-                 row: int = 0, constraint: Constraint | None = None):
+                 row: int = 0, constraint: Constraint | None = None, after: GenerationRequest | None = None):
+        """row: its place among choices of one prompt (seeds its sampling); after: a request of the same prompt
+        whose prefill it waits for, to reuse the pages that prefill fills."""
         self.prompt_ids = prompt_ids
         self.params = params
+        self.after = after
         self.constraint = constraint  # the grammar its answer must keep to (runtime/constrained.py), if any
         # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, row])
@@ -119,6 +122,12 @@ class GenerationRequest:
     @property
     def prefilling(self) -> bool:
         return self.cached < len(self.feed_ids)
+
+    @property
+    def ready(self) -> bool:
+        """Whether it may take a slot: the request it waits for has prefilled its prompt, or will not."""
+        after = self.after
+        return after is None or after.done or after.cancelled or (after.slot is not None and not after.prefilling)
 
     @property
     def done(self) -> bool:

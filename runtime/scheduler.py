@@ -40,13 +40,14 @@ class Scheduler:
             return self.lock.wait_for(lambda: self.waiting or any(self.slots), timeout)
 
     def admit(self, fits: Callable[[GenerationRequest], bool] = lambda request: True) -> list[GenerationRequest]:
-        """Moves waiting requests, first come first served, into free slots (lowest first) while the next one
-        `fits` (the cache has the pages for it); drops cancelled ones."""
+        """Moves waiting requests, first come first served, into free slots (lowest first) while the next one is
+        ready (another choice of its prompt has prefilled it) and `fits` (the cache has the pages for it); drops
+        cancelled ones."""
         with self.lock:
             self.waiting = deque(r for r in self.waiting if not r.cancelled)
             admitted = []
             for slot, holder in enumerate(self.slots):
-                if holder is None and self.waiting and fits(self.waiting[0]):
+                if holder is None and self.waiting and self.waiting[0].ready and fits(self.waiting[0]):
                     request = self.waiting.popleft()
                     request.slot = slot
                     self.slots[slot] = request

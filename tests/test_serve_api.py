@@ -263,7 +263,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, None, "prompt", "`prompt` is required"),
     ("/v1/completions", {"model": MODEL}, 400, None, "prompt", "`prompt` is required"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, None, "prompt", "empty"),
-    ("/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}, 400, "unsupported_option", "prompt", "batch"),
+    ("/v1/completions", {"model": MODEL, "prompt": [["a"], "b"]}, 400, None, "prompt", "an array of either"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, None, "n", "[1, 16]"),
     ("/v1/completions", {"model": MODEL, "prompt": [1, 5000]}, 400, None, "prompt", "outside the vocabulary"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "8"}, 400, None, "max_tokens", "integer"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": True}, 400, None, "max_tokens", "integer"),
@@ -282,7 +283,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, None, "stream", "boolean"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, None,
      "stream_options", "only allowed when `stream` is true"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "unsupported_option", "n", "not supported"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, None, "logprobs", "[0, 20]"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, None, "top_logprobs", "needs `logprobs` set to true"),
@@ -478,3 +478,36 @@ def test_a_response_format_that_cannot_be_enforced_is_a_400(server, response_for
     answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
     assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text
+
+
+def test_n_choices_share_one_prefill_of_their_prompt(server, tokenizer):
+    """n=4 with a seed: four choices, sampled apart, the same again with the same seed; the prompt counted once in
+    usage, and three of the choices read its full pages from the cache instead of prefilling them again."""
+    client = server.client()
+    prompt = "A long harbour morning: " + " ".join(f"boat {i} leaves," for i in range(40))
+    length = len(tokenizer.encode(prompt))
+    shared = (length - 1) // 64 * 64  # full pages of the prompt that the other choices reuse
+    assert shared >= 64
+    before = server.metric("k2deploy_prompt_tokens_cached_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, n=4, seed=7, temperature=1, max_tokens=6)
+    assert server.metric("k2deploy_prompt_tokens_cached_total") - before == 3 * shared
+    again = client.completions.create(model=MODEL, prompt=prompt, n=4, seed=7, temperature=1, max_tokens=6)
+    texts = [c.text for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2, 3] and len(set(texts)) > 1
+    assert [c.text for c in again.choices] == texts
+    assert first.usage.prompt_tokens == length
+    assert [c.finish_reason for c in first.choices] == ["length"] * 4 and first.usage.completion_tokens == 4 * 6
+
+
+def test_a_list_of_prompts_gets_a_choice_each_in_order(server, tokenizer):
+    client, prompts = server.client(), ["The ferry leaves at dawn.", "Gulls over the harbour."]
+    alone = [client.completions.create(model=MODEL, prompt=p, temperature=0, max_tokens=5).choices[0].text
+             for p in prompts]
+    batch = client.completions.create(model=MODEL, prompt=prompts, n=2, temperature=0, max_tokens=5)
+    assert [(c.index, c.text) for c in batch.choices] == [(0, alone[0]), (1, alone[0]), (2, alone[1]), (3, alone[1])]
+    assert batch.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
+    streamed = {}
+    for chunk in client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=5, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert streamed == {0: alone[0], 1: alone[1]}

@@ -101,7 +101,7 @@ def test_no_queue_means_requests_beyond_the_free_slots_are_refused():
 def test_options_are_checked_strictly():
     options = parse_options({"model": "m", "prompt": [1, 2], "max_tokens": 4, "stop": "x", "n": 1,
                              "presence_penalty": 0.0, "logprobs": None}, chat=False)
-    assert (options.prompt, options.max_tokens, options.stop, options.temperature) == ([1, 2], 4, ("x",), 1.0)
+    assert (options.prompts, options.max_tokens, options.stop, options.temperature) == (([1, 2],), 4, ("x",), 1.0)
     assert max_new_tokens(options, prompt_tokens=2, context=6) == 4
     with pytest.raises(ApiError, match="maximum context length is 5"):
         max_new_tokens(options, prompt_tokens=2, context=5)

@@ -13,6 +13,8 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from functools import partial
 
 import jinja2
 from starlette.applications import Starlette
@@ -97,42 +99,64 @@ class Service:
         if options.model != self.model_name:
             raise ApiError(404, f"The model `{options.model}` does not exist; this server serves `{self.model_name}`.",
                            param="model", code="model_not_found")
-        prompt_ids, steering = await asyncio.to_thread(self.prompt_ids, options)
-        constraint = await asyncio.to_thread(self.constraint, options, steering)
         vocab = self.engine.model.config.vocab_size
         outside = [token for token, _ in options.logit_bias if token >= vocab]
         if outside:
             raise bad_request(f"`logit_bias` names token {outside[0]}, outside the vocabulary [0, {vocab}).",
                               param="logit_bias")
-        params = SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
-                                max_new_tokens=max_new_tokens(options, len(prompt_ids), self.engine.context),
-                                stop_ids=tuple(self.tokenizer.stop_ids) if self.tokenizer else (),
-                                banned_ids=steering.banned_ids, top_k=options.top_k, min_p=options.min_p,
-                                presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
-                                repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
-                                logprobs=options.logprobs)
-        updates: asyncio.Queue[Update | None] = asyncio.Queue()  # None: the client went away
+        prompts = await asyncio.to_thread(lambda: [self.prompt_ids(options, p) for p in options.prompts or [None]])
+        updates: asyncio.Queue[tuple[int, Update] | None] = asyncio.Queue()  # None: the client went away
         loop = asyncio.get_running_loop()
-        tokenizer = self.tokenizer
-        job = GenerationRequest(prompt_ids, params, options.stop,
-                                (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
-                                deliver=lambda update: loop.call_soon_threadsafe(updates.put_nowait, update),
-                                parser=ToolCallParser() if chat else None, forced_text=steering.forced_text,
-                                single_call=not options.parallel_tool_calls, constraint=constraint)
-        try:
-            self.engine.submit(job)
-        except K2Error as exc:  # the prompt does not fit the context or the whole cache
-            raise bad_request(f"{exc}.", param="messages" if chat else "prompt", code="context_length_exceeded") from None
-        except QueueFull:
-            raise ApiError(503, "The server is at capacity: every cache slot is taken and the queue is full. "
-                                "Retry after a moment.", type="server_busy", code="queue_full",
-                           headers={"Retry-After": RETRY_AFTER_S}) from None
+        jobs = []
+        for prompt_ids, steering in prompts:
+            params = self.sampling(options, steering, max_new_tokens(options, len(prompt_ids), self.engine.context))
+            leader = None
+            for row in range(options.n):  # the choices of one prompt: the first prefills, the others reuse its pages
+                constraint = await asyncio.to_thread(self.constraint, options, steering)
+                job = self.job(prompt_ids, params, options, steering, constraint, row, leader,
+                               deliver=partial(_deliver, loop, updates, len(jobs)))
+                leader = leader or job
+                jobs.append(job)
+        self.submit(jobs, chat)
         reply = Reply.new(chat, self.model_name)
         logprobs = None if options.logprobs is None else lambda entries, offset=0: logprobs_object(
             chat, entries, self.token_bytes, offset)
+        answer = Answer(jobs, len(prompts), updates, reply, logprobs)
         if options.stream:
-            return GenerationStream(self.events(job, updates, reply, options.include_usage, logprobs), job)
-        return await self.collect(request, job, updates, reply, logprobs)
+            return GenerationStream(self.events(answer, options.include_usage), jobs)
+        return await self.collect(request, answer)
+
+    def sampling(self, options: Options, steering: ToolSteering, max_new: int) -> SamplingParams:
+        return SamplingParams(temperature=options.temperature, top_p=options.top_p, seed=options.seed,
+                              max_new_tokens=max_new, stop_ids=tuple(self.tokenizer.stop_ids) if self.tokenizer else (),
+                              banned_ids=steering.banned_ids, top_k=options.top_k, min_p=options.min_p,
+                              presence_penalty=options.presence_penalty, frequency_penalty=options.frequency_penalty,
+                              repetition_penalty=options.repetition_penalty, logit_bias=options.logit_bias,
+                              logprobs=options.logprobs)
+
+    def job(self, prompt_ids: list[int], params: SamplingParams, options: Options, steering: ToolSteering,
+            constraint: Constraint | None, row: int, after: GenerationRequest | None, deliver) -> GenerationRequest:
+        tokenizer = self.tokenizer
+        return GenerationRequest(prompt_ids, params, options.stop,
+                                 (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
+                                 deliver=deliver, parser=ToolCallParser() if options.chat else None,
+                                 forced_text=steering.forced_text, single_call=not options.parallel_tool_calls,
+                                 row=row, constraint=constraint, after=after)
+
+    def submit(self, jobs: list[GenerationRequest], chat: bool) -> None:
+        """Queues every choice of the request, or none of them."""
+        try:
+            for job in jobs:
+                self.engine.submit(job)
+        except (K2Error, QueueFull) as exc:
+            for job in jobs:
+                job.cancelled = True
+            if isinstance(exc, K2Error):  # the prompt does not fit the context or the whole cache
+                raise bad_request(f"{exc}.", param="messages" if chat else "prompt",
+                                  code="context_length_exceeded") from None
+            raise ApiError(503, "The server is at capacity: every cache slot is taken and the queue is full. "
+                                "Retry after a moment.", type="server_busy", code="queue_full",
+                           headers={"Retry-After": RETRY_AFTER_S}) from None
 
     def constraint(self, options: Options, steering: ToolSteering) -> Constraint | None:
         """The grammar the answer must keep to: a JSON value for response_format, the declared tools' calls when
@@ -177,9 +201,10 @@ class Service:
                            code="request_timeout", headers={"Connection": "close"}) from None
         return b"".join(chunks)
 
-    def prompt_ids(self, options: Options) -> tuple[list[int], ToolSteering]:
-        """The prompt's token ids (with any tokens tool_choice forces the answer to begin with) and the steering."""
-        if self.tokenizer is None and (options.chat or isinstance(options.prompt, str)):
+    def prompt_ids(self, options: Options, prompt: str | list[int] | None) -> tuple[list[int], ToolSteering]:
+        """A completions prompt's (or the chat's, prompt None) token ids (with any tokens tool_choice forces the
+        answer to begin with) and the steering."""
+        if self.tokenizer is None and (options.chat or isinstance(prompt, str)):
             raise bad_request("This artifact has no tokenizer, so it takes no text: send `prompt` to /v1/completions "
                               "as an array of token ids.", param="messages" if options.chat else "prompt",
                               code="no_tokenizer")
@@ -192,60 +217,92 @@ class Service:
             except (jinja2.TemplateError, K2Error) as exc:  # K2Error: no chat template, or no tool-call tokens
                 raise bad_request(f"The chat template cannot render these messages: {exc}", param="messages") from None
             return ids + steering.forced_ids(self.tokenizer), steering
-        if isinstance(options.prompt, str):
-            return self.tokenizer.encode(options.prompt), ToolSteering("", ())
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), ToolSteering("", ())
         vocab = self.engine.model.config.vocab_size
-        outside = [t for t in options.prompt if not 0 <= t < vocab]
+        outside = [t for t in prompt if not 0 <= t < vocab]
         if outside:
             raise bad_request(f"Token id {outside[0]} in `prompt` is outside the vocabulary [0, {vocab}).",
                               param="prompt")
-        return list(options.prompt), ToolSteering("", ())
+        return list(prompt), ToolSteering("", ())
 
-    async def collect(self, request: Request, job: GenerationRequest, updates: asyncio.Queue, reply: Reply,
-                      logprobs) -> Response:
-        """A whole (non-streamed) answer; stops waiting, and cancels the request, if the client disconnects.
-        logprobs: None, or entries -> OpenAI's logprobs object."""
-        watcher = asyncio.create_task(_watch_disconnect(request, job, updates))
+    async def collect(self, request: Request, answer: Answer) -> Response:
+        """The whole (non-streamed) answer, every choice; stops waiting, and cancels the choices, if the client
+        disconnects."""
+        watcher = asyncio.create_task(_watch_disconnect(request, answer.jobs, answer.updates))
         try:
-            parts, calls, entries = [], ToolCallsAssembly(), []
-            while (update := await updates.get()) is not None:
+            count = len(answer.jobs)
+            parts, calls, entries = [[] for _ in range(count)], [ToolCallsAssembly() for _ in range(count)], \
+                [[] for _ in range(count)]
+            finished: dict[int, str] = {}
+            while len(finished) < count:
+                if (item := await answer.updates.get()) is None:
+                    return Response(status_code=499)  # nobody is listening any more
+                index, update = item
                 if update.error:
                     raise ApiError(500, update.error, type="server_error")
-                parts.append(update.text)
-                calls.add(update.tool_calls)
-                entries += update.logprobs
+                parts[index].append(update.text)
+                calls[index].add(update.tool_calls)
+                entries[index] += update.logprobs
                 if update.finish_reason:
-                    counts = usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)
-                    return JSONResponse(reply.response("".join(parts), update.finish_reason, counts, calls.calls,
-                                                       None if self.tokenizer else list(job.generated),
-                                                       logprobs(entries) if logprobs else None))
-            return Response(status_code=499)  # nobody is listening any more
+                    finished[index] = update.finish_reason
+            choices = [answer.reply.choice(i, "".join(parts[i]), finished[i], calls[i].calls,
+                                           None if self.tokenizer else list(job.generated),
+                                           answer.logprobs(entries[i]) if answer.logprobs else None)
+                       for i, job in enumerate(answer.jobs)]
+            return JSONResponse(answer.reply.response(choices, answer.usage()))
         finally:
             watcher.cancel()
 
-    async def events(self, job: GenerationRequest, updates: asyncio.Queue, reply: Reply,
-                     include_usage: bool, logprobs) -> AsyncIterator[str]:
-        """OpenAI's stream: a chunk per token (its text may be empty while a character or a possible stop
-        string is incomplete, so the first chunk marks the first token), the finish reason, [usage,] [DONE]."""
+    async def events(self, answer: Answer, include_usage: bool) -> AsyncIterator[str]:
+        """OpenAI's stream: per choice a chunk per token (its text may be empty while a character or a possible
+        stop string is incomplete, so the first chunk marks the first token) and its finish reason; then [usage,]
+        [DONE]."""
+        reply, count = answer.reply, len(answer.jobs)
         if reply.chat:
-            yield sse(reply.chunk("", role=True))
-        offset = 0  # completions' text_offset of the next token
-        while True:
-            update = await updates.get()
+            for index in range(count):
+                yield sse(reply.chunk("", role=True, index=index))
+        offsets, finished = [0] * count, 0  # completions' text_offset of each choice's next token
+        while finished < count:
+            index, update = await answer.updates.get()
             if update.error:
                 yield sse(ApiError(500, update.error, type="server_error").body())
                 break
             calls = [c.to_openai() for c in update.tool_calls]
             ids = None if self.tokenizer else list(update.token_ids)
-            chunk_logprobs = logprobs(update.logprobs, offset) if logprobs and update.logprobs else None
-            offset += sum(len(self.token_bytes(e.token).decode("utf-8", "replace")) for e in update.logprobs)
+            chunk_logprobs = answer.logprobs(update.logprobs, offsets[index]) if answer.logprobs and update.logprobs \
+                else None
+            offsets[index] += sum(len(self.token_bytes(e.token).decode("utf-8", "replace")) for e in update.logprobs)
             yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids,
-                                  logprobs=chunk_logprobs))
-            if update.finish_reason:
-                if include_usage:
-                    yield sse(reply.usage_chunk(usage(len(job.prompt_ids), len(job.generated), job.cached_prompt_tokens or 0)))
-                break
+                                  logprobs=chunk_logprobs, index=index))
+            finished += update.finish_reason is not None
+        else:
+            if include_usage:
+                yield sse(reply.usage_chunk(answer.usage()))
         yield SSE_DONE
+
+
+@dataclass
+class Answer:
+    """One request's choices as they run: the jobs (prompt by prompt, n each), where their updates arrive as
+    (choice index, update), the reply they go out under and how their logprobs are shaped (None: not asked)."""
+
+    jobs: list[GenerationRequest]
+    prompts: int
+    updates: asyncio.Queue
+    reply: Reply
+    logprobs: object
+
+    def usage(self) -> dict:
+        """OpenAI's usage: each prompt counted once, every choice's tokens."""
+        firsts = self.jobs[::len(self.jobs) // self.prompts]
+        return usage(sum(len(j.prompt_ids) for j in firsts), sum(len(j.generated) for j in self.jobs),
+                     sum(j.cached_prompt_tokens or 0 for j in firsts))
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, updates: asyncio.Queue, index: int, update: Update) -> None:
+    """From the engine's thread: choice `index`'s update into the handler's queue."""
+    loop.call_soon_threadsafe(updates.put_nowait, (index, update))
 
 
 class ToolCallsAssembly:
@@ -263,25 +320,27 @@ class ToolCallsAssembly:
 
 
 class GenerationStream(StreamingResponse):
-    """Server-sent events that cancel their request however the response ends (finished, disconnected, failed)."""
+    """Server-sent events that cancel their choices however the response ends (finished, disconnected, failed)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], job: GenerationRequest):
+    def __init__(self, events: AsyncIterator[str], jobs: list[GenerationRequest]):
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.job = job
+        self.jobs = jobs
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.job.cancelled = True  # a no-op once it has finished
+            for job in self.jobs:
+                job.cancelled = True  # a no-op once it has finished
 
 
-async def _watch_disconnect(request: Request, job: GenerationRequest, updates: asyncio.Queue) -> None:
+async def _watch_disconnect(request: Request, jobs: list[GenerationRequest], updates: asyncio.Queue) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled = True
+    for job in jobs:
+        job.cancelled = True
     updates.put_nowait(None)
 
 

@@ -25,12 +25,13 @@ CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Options a client may send as long as they ask for nothing this server would have to do.
 NEUTRAL_VALUES = {
-    "n": (1,),
     "best_of": (1,),
     "echo": (False,),
     "suffix": ("",),
 }
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_CHOICES = 16  # n, at most
+MAX_PROMPTS = 64  # prompts in one /v1/completions request, at most
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "user",
                  "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs",
                  "top_k", "min_p", "repetition_penalty"}  # the last three: extras other servers take too
@@ -66,7 +67,7 @@ class Options:
 
     chat: bool
     model: str
-    prompt: str | list[int] | None  # completions: text or token ids
+    prompts: tuple[str | list[int], ...] | None  # completions: each prompt, text or token ids
     messages: list[dict] | None  # chat: [{"role", "content"[, "name"]}], content as text
     max_tokens: int | None  # None: the rest of the context (chat) or 16 (completions, as OpenAI)
     temperature: float
@@ -87,6 +88,7 @@ class Options:
     logprobs: int | None = None  # None: none asked; n: the sampled token's and the n likeliest tokens'
     json_answer: bool = False  # response_format json_object or json_schema: the answer is one JSON value
     json_schema: dict | None = None  # ... that follows this schema (None: any JSON object)
+    n: int = 1  # choices per prompt
 
 
 def parse_json(raw: bytes) -> dict:
@@ -142,7 +144,10 @@ def parse_options(body: dict, chat: bool) -> Options:
     repetition_penalty = _number(body, "repetition_penalty", 1.0, 0.0, 10.0)
     if repetition_penalty == 0:
         raise bad_request("`repetition_penalty` must be greater than 0 (1: none)", param="repetition_penalty")
-    return Options(chat=chat, model=model, prompt=None if chat else _prompt(body),
+    n = _optional(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"`n` must lie in [1, {MAX_CHOICES}], got {n}", param="n")
+    return Options(chat=chat, model=model, prompts=None if chat else _prompts(body), n=n,
                    messages=_messages(body) if chat else None, max_tokens=max_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage,
                    tools=tools, tool_choice=tool_choice,
@@ -280,18 +285,22 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _prompt(body: dict) -> str | list[int]:
+def _prompts(body: dict) -> tuple[str | list[int], ...]:
+    """`prompt`: a string, an array of token ids, or an array of either (a choice, or n, for each)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
-        raise bad_request("A batch of prompts is not supported; send one prompt per request", param="prompt",
-                          code="unsupported_option")
-    raise bad_request("`prompt` is required: a string or an array of token ids", param="prompt")
+    if _is_one_prompt(prompt):
+        return (prompt,)
+    if isinstance(prompt, list) and prompt and all(_is_one_prompt(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise bad_request(f"`prompt` takes at most {MAX_PROMPTS} prompts, got {len(prompt)}", param="prompt")
+        return tuple(prompt)
+    raise bad_request("`prompt` is required: a string, an array of token ids, or an array of either",
+                      param="prompt")
+
+
+def _is_one_prompt(prompt) -> bool:
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt))
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, str | dict]:
@@ -387,30 +396,32 @@ class Reply:
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, text: str, finish_reason: str, usage: dict, tool_calls: list[dict] | None = None,
-                 token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
-        """The whole answer; `token_ids` (the generated ids) only where the artifact has no tokenizer to give text."""
+    def choice(self, index: int, text: str, finish_reason: str, tool_calls: list[dict] | None = None,
+               token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+        """One whole answer of a response; `token_ids` (the generated ids) only where the artifact has no
+        tokenizer to give text."""
         if self.chat:
             message = {"role": "assistant", "content": text or None if tool_calls else text}
-            choice = {"index": 0, "message": message | ({"tool_calls": tool_calls} if tool_calls else {}),
-                      "logprobs": logprobs, "finish_reason": finish_reason}
-            return self._envelope("chat.completion", [choice]) | {"usage": usage}
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        if token_ids is not None:
-            choice["token_ids"] = token_ids
-        return self._envelope("text_completion", [choice]) | {"usage": usage}
+            return {"index": index, "message": message | ({"tool_calls": tool_calls} if tool_calls else {}),
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return choice | ({"token_ids": token_ids} if token_ids is not None else {})
+
+    def response(self, choices: list[dict], usage: dict) -> dict:
+        return self._envelope("chat.completion" if self.chat else "text_completion", choices) | {"usage": usage}
 
     def chunk(self, text: str, finish_reason: str | None = None, role: bool = False,
               tool_calls: list[dict] | None = None, token_ids: list[int] | None = None,
-              logprobs: dict | None = None) -> dict:
-        """One streamed piece; `role` marks a chat stream's first chunk, which names the assistant."""
+              logprobs: dict | None = None, index: int = 0) -> dict:
+        """One streamed piece of choice `index`; `role` marks a chat choice's first chunk, which names the
+        assistant."""
         if self.chat:
             delta = {"content": text} if text or not (finish_reason or tool_calls) else {}  # may be empty at the end
             delta |= {"tool_calls": tool_calls} if tool_calls else {}
             delta = {"role": "assistant"} | delta if role else delta
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return self._envelope("chat.completion.chunk", [choice])
-        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return self._envelope("text_completion", [choice])
