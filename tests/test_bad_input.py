@@ -128,3 +128,11 @@ def test_score_into_a_folder_is_refused_and_a_file_is_written_by_its_own_name(ti
 def test_an_empty_layer_range_is_called_empty(tiny_checkpoint, tmp_path):
     _one_line(run_cli("export", tiny_checkpoint, "--out", tmp_path / "art", "--layers", "2:1"),
               "--layers 2:1 is empty")
+
+
+@pytest.mark.parametrize("option, message", [(["--max-batch", "100000"], "is more than this server runs at once"),
+                                             (["--body-timeout", "0"], "--body-timeout must be more than 0"),
+                                             (["--drain-timeout", "nan"], "--drain-timeout must be at least 0"),
+                                             (["--allow-origin", "evil"], "is not an origin")])
+def test_serve_options_out_of_range_are_one_line_before_loading(tiny_cpu_artifact, option, message):
+    _one_line(run_cli("serve", tiny_cpu_artifact, "--port", "0", *option), message)
