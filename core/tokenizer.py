@@ -64,8 +64,9 @@ NAMED_SPECIALS = {
     254: "[UNK]",
     255: "[PAD]",
 }
-# Kimi marks the tool-call markers "special": false so a decode that skips specials keeps them.
-_NOT_SKIPPED = {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+# Kimi marks the tool-call markers "special": false so a decode that skips specials keeps them; configs differ
+# between releases and re-saved tokenizers, so a decode keeps them by their names whatever the flag says.
+TOOL_MARKERS = {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"}
 _ADDITIONAL_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
                         "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
@@ -209,7 +210,7 @@ def _config(first_special: int) -> dict:
             "normalized": False,
             "rstrip": False,
             "single_word": False,
-            "special": name not in _NOT_SKIPPED,
+            "special": name not in TOOL_MARKERS,
         }
         for offset, name in NAMED_SPECIALS.items()
     }
@@ -304,15 +305,16 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 
 def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], set[int]]:
     """Name -> id for the 256 ids after the last rank (Kimi ignores entries outside them), and the ids of
-    those marked special (a decode that skips specials leaves them out)."""
+    those marked special but the tool-call markers (a decode that skips specials leaves them out)."""
     try:
         entries = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
         named = {i: entry["content"] for i, entry in entries.items()}
     except (AttributeError, KeyError, TypeError, ValueError):
         raise file_error(path, 'added_tokens_decoder is not {"<id>": {"content": ...}}') from None
     ids = range(first, first + NUM_SPECIAL)
+    names = {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
     skipped = {i for i in ids if entries.get(i, {}).get("special", True) is not False}
-    return {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}, skipped
+    return names, skipped - {names[m] for m in TOOL_MARKERS if m in names}
 
 
 def _token_name(path: Path, config: dict, key: str, default: str, special_ids: dict[str, int]) -> str:

@@ -165,3 +165,39 @@ def test_without_tools_no_call_can_start_even_by_a_bare_call_marker(tokenizer, t
     answer = json.loads(result.stdout)
     assert answer["finish_reason"] != "tool_calls" and answer["tool_calls"] == []
     assert tokenizer.special_ids["<|tool_call_begin|>"] not in answer["token_ids"]
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["markers flagged special", "markers not special"])
+def test_tool_calls_are_found_whatever_the_config_says_of_the_markers(artifact, tmp_path, flag):
+    """The parser needs the markers in the decoded text: a tokenizer config that flags them special (as some
+    releases and re-saved tokenizers do) must not strip them, whole or streamed; the answer's content never shows
+    them."""
+    import shutil
+
+    from k2deploy.core.manifest import MANIFEST_FILE, file_record
+
+    copy = shutil.copytree(artifact, tmp_path / "artifact")
+    config_path = copy / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for entry in config["added_tokens_decoder"].values():
+        if "tool_call" in entry["content"]:
+            entry["special"] = flag
+    config_path.write_text(json.dumps(config))
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(copy, "tokenizer/tokenizer_config.json")
+    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    shown = json.loads(run_cli("generate", copy, "--chat", "--prompt", "x", "--tools", tools, "--json").stdout)
+    assert shown["tool_calls"] == [{"id": "functions.bakery:0", "type": "function",
+                                    "function": {"name": "bakery", "arguments": "{}"}}]
+    server = Server(copy, tmp_path / "serve")
+    try:
+        whole = _ask(server).choices[0]
+        assert whole.finish_reason == "tool_calls" and whole.message.tool_calls[0].function.name == "bakery"
+        assert not whole.message.content
+        deltas = [c.choices[0].delta for c in _ask(server, stream=True) if c.choices]
+        assert "".join(d.tool_calls[0].function.arguments or "" for d in deltas if d.tool_calls) == "{}"
+        assert not any(m in (d.content or "") for d in deltas for m in MARKERS)
+    finally:
+        server.stop()
