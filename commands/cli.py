@@ -184,6 +184,7 @@ def _read_tools(path: str) -> list[dict]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from ..core.manifest import load_manifest
     from ..runtime.chat_tools import ToolSteering
+    from ..runtime.reasoning import reasoning_splitter
     from ..runtime.sampling import SamplingParams
     from ..runtime.tool_calls import ToolCallParser
     from ..core.tokenizer_files import load_tokenizer
@@ -211,18 +212,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             logit_bias=_logit_bias(args.logit_bias, manifest.config.vocab_size))
     result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate([prompt], params)[0]
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
-    calls, finish_reason = [], result.finish_reason
+    calls, finish_reason, reasoning = [], result.finish_reason, None
     if args.chat and text is not None:
+        splitter = reasoning_splitter(tokenizer, prompt)
+        if splitter is not None:
+            parts = (splitter.feed(text), splitter.finish())
+            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.answer for p in parts)
         parser = ToolCallParser()
         parser.feed(text)
         parser.finish()
         text, calls = parser.content, [c.to_openai() for c in parser.calls]
         finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
     if args.json:
-        _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "text": text, "tool_calls": calls,
-                     "finish_reason": finish_reason, "ttft_ms": round(result.ttft_ms, 3),
-                     "tpot_ms": round(result.tpot_ms, 3)})
+        _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "reasoning": reasoning or None,
+                     "text": text, "tool_calls": calls, "finish_reason": finish_reason,
+                     "ttft_ms": round(result.ttft_ms, 3), "tpot_ms": round(result.tpot_ms, 3)})
     else:
+        if reasoning:
+            print(f"[reasoning] {reasoning}")
         print(text if text is not None else ",".join(map(str, result.token_ids)))
         for call in calls:
             print(f"tool call {call['id']}: {call['function']['name']}({call['function']['arguments']})")

@@ -61,6 +61,8 @@ NAMED_SPECIALS = {
     14: "<|tool_call_argument_begin|>",
     15: "<|tool_call_end|>",
     17: "<|im_middle|>",
+    22: "<think>",  # Kimi-K2-Thinking's reasoning markers
+    23: "</think>",
     254: "[UNK]",
     255: "[PAD]",
 }
@@ -68,6 +70,8 @@ NAMED_SPECIALS = {
 # between releases and re-saved tokenizers, so a decode keeps them by their names whatever the flag says.
 TOOL_MARKERS = {"<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
                 "<|tool_call_argument_begin|>", "<|tool_call_end|>"}
+THINK_MARKERS = {"<think>", "</think>"}  # special tokens in Kimi-K2-Thinking's tokenizer
+KEPT_IN_TEXT = TOOL_MARKERS | THINK_MARKERS  # the answer's parsers need them: never skipped by a decode
 _ADDITIONAL_SPECIALS = ["<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|start_header_id|>",
                         "<|end_header_id|>", "[EOT]", "<|im_system|>", "<|im_middle|>"]
 
@@ -266,7 +270,7 @@ class KimiTokenizer(ChatTokenizer):
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text for ``ids``; special tokens come back as their names, or are left out with ``skip_special``
-        (all but the tool-call markers, which Kimi marks not special)."""
+        (all but the tool-call and think markers, which the answer's parsers read)."""
         if skip_special:
             ids = [i for i in ids if i not in self.skipped]
         return self._encoding.decode(list(ids))
@@ -305,7 +309,8 @@ def _read_ranks(path: Path) -> dict[bytes, int]:
 
 def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], set[int]]:
     """Name -> id for the 256 ids after the last rank (Kimi ignores entries outside them), and the ids of
-    those marked special but the tool-call markers (a decode that skips specials leaves them out)."""
+    those marked special but the markers the answer's parsers read (a decode that skips specials leaves them
+    out)."""
     try:
         entries = {int(i): entry for i, entry in config.get("added_tokens_decoder", {}).items()}
         named = {i: entry["content"] for i, entry in entries.items()}
@@ -314,7 +319,7 @@ def _special_ids(path: Path, config: dict, first: int) -> tuple[dict[str, int], 
     ids = range(first, first + NUM_SPECIAL)
     names = {named.get(i, f"<|reserved_token_{i}|>"): i for i in ids}
     skipped = {i for i in ids if entries.get(i, {}).get("special", True) is not False}
-    return names, skipped - {names[m] for m in TOOL_MARKERS if m in names}
+    return names, skipped - {names[m] for m in KEPT_IN_TEXT if m in names}
 
 
 def _token_name(path: Path, config: dict, key: str, default: str, special_ids: dict[str, int]) -> str:

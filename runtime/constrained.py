@@ -29,18 +29,32 @@ class GrammarError(K2Error):
     """A schema or grammar the engine cannot compile: the request's fault, answered with a 400."""
 
 
-def json_grammar(schema: dict | None) -> str:
-    """Any JSON object (schema None), or a JSON value that follows `schema`."""
+# How a thinking model's reasoning comes before the constrained answer: not at all (the model does not think),
+# "may" (an optional <think> ... </think> first) or "open" (the prompt opened it: reasoning, then </think>)
+THINKING = {None: "start: answer", "may": "start: think? answer\nthink: <think> REASONING </think>",
+            "open": "start: REASONING </think> answer"}
+
+
+def json_grammar(schema: dict | None, thinking: str | None = None) -> str:
+    """Any JSON object (schema None), or a JSON value that follows `schema`; after the reasoning, where the model
+    thinks (THINKING)."""
     from llguidance import LLMatcher
 
-    schema = {"type": "object"} if schema is None else schema
-    return LLMatcher.grammar_from_json_schema(_compact(schema))
+    schema = _compact({"type": "object"} if schema is None else schema)
+    if thinking is None:
+        return LLMatcher.grammar_from_json_schema(schema)
+    return LLMatcher.grammar_from_lark(_with_thinking(thinking, [f"answer: %json {json.dumps(schema)}"]))
 
 
-def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool) -> str:
+def _with_thinking(thinking: str | None, rules: list[str]) -> str:
+    return "\n".join([THINKING[thinking], r"REASONING: /(.|\n)*/", *rules])
+
+
+def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool, thinking: str | None = None) -> str:
     """Kimi K2's answer with calls to `tools` (OpenAI's checked `tools`): free text and a section of calls
     (choice "auto"), the section alone ("required"), or the section with calls to one function ({"function":
-    {"name"}}); single_call: one call in the section (parallel_tool_calls false)."""
+    {"name"}}); single_call: one call in the section (parallel_tool_calls false); after the reasoning, where the
+    model thinks (THINKING)."""
     from llguidance import LLMatcher
 
     m = KIMI_K2_MARKERS
@@ -49,9 +63,9 @@ def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool) -> s
         functions = [f for f in functions if f["name"] == choice["function"]["name"]]
     calls = [f'fn_{i}: "functions.{f["name"]}:" INDEX {m.argument_begin} args_{i}\n'
              f'args_{i}: %json {json.dumps(_arguments_schema(f))}' for i, f in enumerate(functions)]
-    start = {"auto": "start: TEXT | TEXT? section"}.get(choice if isinstance(choice, str) else "", "start: section")
-    lark = "\n".join([
-        start,
+    answer = {"auto": "answer: TEXT | TEXT? section"}.get(choice if isinstance(choice, str) else "", "answer: section")
+    lark = _with_thinking(thinking, [
+        answer,
         r"TEXT: /(.|\n)+/",
         f"section: {m.section_begin} call{'' if single_call else '+'} {m.section_end}",
         f"call: {m.call_begin} ({' | '.join(f'fn_{i}' for i in range(len(functions)))}) {m.call_end}",
@@ -59,6 +73,14 @@ def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool) -> s
         *calls,
     ])
     return LLMatcher.grammar_from_lark(lark)
+
+
+def thinking_mode(tokenizer, prompt_ids: list[int]) -> str | None:
+    """THINKING's key for a chat answer: None where the tokenizer has no think markers, "open" where the prompt
+    ends with <think>, else "may"."""
+    if "</think>" not in tokenizer.special_ids:
+        return None
+    return "open" if prompt_ids and prompt_ids[-1] == tokenizer.special_ids.get("<think>") else "may"
 
 
 def _arguments_schema(function: dict) -> dict:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .constrained import Constraint
+from .reasoning import ReasoningSplitter
 from .sampling import SamplingParams
 from .tool_calls import CallDelta, ToolCallParser
 
@@ -24,6 +25,7 @@ class Update:
     tool_calls: tuple[CallDelta, ...] = ()
     token_ids: tuple[int, ...] = ()  # the sampled ids this update covers (without a stop id)
     logprobs: tuple[TokenLogprob, ...] = ()  # one per id of token_ids, where the request asked for them
+    reasoning: str = ""  # new reasoning text (a thinking model's, between <think> and </think>), apart from `text`
 
 
 @dataclass(frozen=True)
@@ -90,12 +92,14 @@ class GenerationRequest:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
                  parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
-                 row: int = 0, constraint: Constraint | None = None, after: GenerationRequest | None = None):
+                 row: int = 0, constraint: Constraint | None = None, after: GenerationRequest | None = None,
+                 reasoning: ReasoningSplitter | None = None):
         """row: its place among choices of one prompt (seeds its sampling); after: a request of the same prompt
         whose prefill it waits for, to reuse the pages that prefill fills."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.after = after
+        self.reasoning = reasoning  # splits a thinking model's reasoning from its answer, where it may think
         self.constraint = constraint  # the grammar its answer must keep to (runtime/constrained.py), if any
         # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, row])
@@ -174,7 +178,16 @@ class GenerationRequest:
         return self.text.finish() if self.text else ""
 
     def _update(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None) -> Update:
-        """The update for new text: through the tool-call parser where there is one; sets finish_reason."""
+        """The update for new text: its reasoning split off, where the model may think, then the answer through
+        the tool-call parser where there is one; sets finish_reason."""
+        reasoning = ""
+        if self.reasoning is not None:
+            parts = [self.reasoning.feed(text), *([self.reasoning.finish()] if finish_reason is not None else [])]
+            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.answer for p in parts)
+        update = self._answer_update(text, token_ids, finish_reason)
+        return replace(update, reasoning=reasoning) if reasoning else update
+
+    def _answer_update(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None) -> Update:
         if self.parser is None:
             self.finish_reason = finish_reason
             return Update(text, finish_reason, token_ids=token_ids)

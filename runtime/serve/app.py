@@ -28,7 +28,8 @@ from starlette.routing import Route
 from ...core.chat_template import ChatTokenizer
 from ...core.errors import K2Error
 from ..chat_tools import ToolSteering
-from ..constrained import Constraint, GrammarError, Grammars, json_grammar, tools_grammar
+from ..constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
+from ..reasoning import reasoning_splitter
 from ..sampling import SamplingParams
 from ..tool_calls import ToolCallParser
 from .engine import Engine
@@ -112,7 +113,7 @@ class Service:
             params = self.sampling(options, steering, max_new_tokens(options, len(prompt_ids), self.engine.context))
             leader = None
             for row in range(options.n):  # the choices of one prompt: the first prefills, the others reuse its pages
-                constraint = await asyncio.to_thread(self.constraint, options, steering)
+                constraint = await asyncio.to_thread(self.constraint, options, steering, prompt_ids)
                 job = self.job(prompt_ids, params, options, steering, constraint, row, leader,
                                deliver=partial(_deliver, loop, updates, len(jobs)))
                 leader = leader or job
@@ -141,7 +142,8 @@ class Service:
                                  (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
                                  deliver=deliver, parser=ToolCallParser() if options.chat else None,
                                  forced_text=steering.forced_text, single_call=not options.parallel_tool_calls,
-                                 row=row, constraint=constraint, after=after)
+                                 row=row, constraint=constraint, after=after,
+                                 reasoning=reasoning_splitter(tokenizer, prompt_ids) if options.chat else None)
 
     def submit(self, jobs: list[GenerationRequest], chat: bool) -> None:
         """Queues every choice of the request, or none of them."""
@@ -158,9 +160,9 @@ class Service:
                                 "Retry after a moment.", type="server_busy", code="queue_full",
                            headers={"Retry-After": RETRY_AFTER_S}) from None
 
-    def constraint(self, options: Options, steering: ToolSteering) -> Constraint | None:
+    def constraint(self, options: Options, steering: ToolSteering, prompt_ids: list[int]) -> Constraint | None:
         """The grammar the answer must keep to: a JSON value for response_format, the declared tools' calls when
-        tools may be called; None when the answer is free."""
+        tools may be called (after the reasoning, where the model thinks); None when the answer is free."""
         tools = options.tools if options.tool_choice != "none" else None
         if not (options.json_answer or tools):
             return None
@@ -169,10 +171,11 @@ class Service:
                               param="response_format")
         if self.grammars is None:
             self.grammars = Grammars(self.tokenizer, self.engine.model.config.vocab_size)
+        thinking = thinking_mode(self.tokenizer, prompt_ids) if options.chat else None
         try:
-            if options.json_answer:
-                return self.grammars.constraint(json_grammar(options.json_schema))
-            grammar = tools_grammar(tools, options.tool_choice, single_call=not options.parallel_tool_calls)
+            if options.json_answer:  # JSON from the first token, unless the prompt opened the reasoning
+                return self.grammars.constraint(json_grammar(options.json_schema, "open" if thinking == "open" else None))
+            grammar = tools_grammar(tools, options.tool_choice, not options.parallel_tool_calls, thinking)
             return self.grammars.constraint(grammar, steering.forced_ids(self.tokenizer))
         except GrammarError as exc:
             raise bad_request(f"{exc}.", param="response_format" if options.json_answer else "tools") from None
@@ -234,6 +237,7 @@ class Service:
             count = len(answer.jobs)
             parts, calls, entries = [[] for _ in range(count)], [ToolCallsAssembly() for _ in range(count)], \
                 [[] for _ in range(count)]
+            reasoning = [[] for _ in range(count)]
             finished: dict[int, str] = {}
             while len(finished) < count:
                 if (item := await answer.updates.get()) is None:
@@ -242,13 +246,15 @@ class Service:
                 if update.error:
                     raise ApiError(500, update.error, type="server_error")
                 parts[index].append(update.text)
+                reasoning[index].append(update.reasoning)
                 calls[index].add(update.tool_calls)
                 entries[index] += update.logprobs
                 if update.finish_reason:
                     finished[index] = update.finish_reason
             choices = [answer.reply.choice(i, "".join(parts[i]), finished[i], calls[i].calls,
                                            None if self.tokenizer else list(job.generated),
-                                           answer.logprobs(entries[i]) if answer.logprobs else None)
+                                           answer.logprobs(entries[i]) if answer.logprobs else None,
+                                           "".join(reasoning[i]))
                        for i, job in enumerate(answer.jobs)]
             return JSONResponse(answer.reply.response(choices, answer.usage()))
         finally:
@@ -274,7 +280,7 @@ class Service:
                 else None
             offsets[index] += sum(len(self.token_bytes(e.token).decode("utf-8", "replace")) for e in update.logprobs)
             yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids,
-                                  logprobs=chunk_logprobs, index=index))
+                                  logprobs=chunk_logprobs, index=index, reasoning=update.reasoning))
             finished += update.finish_reason is not None
         else:
             if include_usage:

@@ -397,11 +397,12 @@ class Reply:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
     def choice(self, index: int, text: str, finish_reason: str, tool_calls: list[dict] | None = None,
-               token_ids: list[int] | None = None, logprobs: dict | None = None) -> dict:
+               token_ids: list[int] | None = None, logprobs: dict | None = None, reasoning: str = "") -> dict:
         """One whole answer of a response; `token_ids` (the generated ids) only where the artifact has no
-        tokenizer to give text."""
+        tokenizer to give text; `reasoning`: a thinking model's reasoning, as `reasoning_content`."""
         if self.chat:
             message = {"role": "assistant", "content": text or None if tool_calls else text}
+            message |= {"reasoning_content": reasoning} if reasoning else {}
             return {"index": index, "message": message | ({"tool_calls": tool_calls} if tool_calls else {}),
                     "logprobs": logprobs, "finish_reason": finish_reason}
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -412,11 +413,13 @@ class Reply:
 
     def chunk(self, text: str, finish_reason: str | None = None, role: bool = False,
               tool_calls: list[dict] | None = None, token_ids: list[int] | None = None,
-              logprobs: dict | None = None, index: int = 0) -> dict:
+              logprobs: dict | None = None, index: int = 0, reasoning: str = "") -> dict:
         """One streamed piece of choice `index`; `role` marks a chat choice's first chunk, which names the
-        assistant."""
+        assistant; `reasoning` goes out as `reasoning_content`."""
         if self.chat:
-            delta = {"content": text} if text or not (finish_reason or tool_calls) else {}  # may be empty at the end
+            delta = {"reasoning_content": reasoning} if reasoning else {}
+            if text or not (finish_reason or tool_calls or reasoning):  # content may be empty (a token's first bytes)
+                delta["content"] = text
             delta |= {"tool_calls": tool_calls} if tool_calls else {}
             delta = {"role": "assistant"} | delta if role else delta
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -1,0 +1,94 @@
+"""A thinking model's reasoning (`<think>` ... `</think>`, as Kimi-K2-Thinking writes it) comes back apart from its
+answer: `reasoning_content` whole and streamed (before the answer and any tool calls), `generate --chat` too."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from k2deploy.runtime.reasoning import ReasoningSplitter
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("torch")
+
+from cli import run_cli  # noqa: E402
+from scripted import script, write_scripted_checkpoint  # noqa: E402
+from serving import MODEL, Server  # noqa: E402
+
+from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
+
+
+def _split(pieces: list[str], thinking: bool = False) -> tuple[str, str]:
+    splitter = ReasoningSplitter(thinking)
+    parts = [splitter.feed(p) for p in pieces] + [splitter.finish()]
+    return "".join(p.reasoning for p in parts), "".join(p.answer for p in parts)
+
+
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>plan it</think>\nSeven.", False, ("plan it", "\nSeven.")),
+    ("  <think>a</think>b", False, ("a", "b")),
+    ("Seven <think> is text here", False, ("", "Seven <think> is text here")),
+    ("plan it</think>Seven.", True, ("plan it", "Seven.")),
+    ("<think>cut off mid-thou", False, ("cut off mid-thou", "")),
+    ("<", False, ("", "<")),
+])
+def test_reasoning_splits_the_same_however_the_text_arrives(text, thinking, expected):
+    assert _split([text], thinking) == expected
+    for seed in range(20):
+        rng = random.Random(seed)
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        assert _split(pieces, thinking) == expected, pieces
+
+
+# (each token of a scripted answer may appear once: tests/scripted.py)
+ANSWER = "<think>Check it</think>At six.<|im_end|>"
+CALL = ("<think>Use it</think><|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0"
+        "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+TOOLS = [{"type": "function", "function": {"name": "bakery", "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(folder, 1024)
+    return KimiTokenizer.from_dir(folder)
+
+
+def _artifact(root, tokenizer, answer):
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    checkpoint = write_scripted_checkpoint(root / "checkpoint",
+                                           script(tokenizer.encode("<|im_middle|>" + answer, allow_special=True)))
+    export_artifact(ExportOptions(str(checkpoint), kv_cache="bf16", target="cuda"), root / "artifact")
+    return root / "artifact"
+
+
+@pytest.mark.parametrize("answer, tools", [(ANSWER, None), (CALL, TOOLS)], ids=["answer", "tool call"])
+def test_reasoning_content_whole_and_streamed(tmp_path, tokenizer, answer, tools):
+    artifact = _artifact(tmp_path, tokenizer, answer)
+    shown = json.loads(run_cli("generate", artifact, "--chat", "--prompt", "When?", "--json").stdout)
+    reasoning = "Check it" if tools is None else "Use it"
+    assert shown["reasoning"] == reasoning and "<think>" not in shown["text"]
+    server = Server(artifact, tmp_path / "serve")
+    try:
+        asked = {"model": MODEL, "messages": [{"role": "user", "content": "When?"}], "max_tokens": 40, "temperature": 0}
+        asked |= {"tools": tools} if tools else {}
+        message = server.client().chat.completions.create(**asked).choices[0].message
+        assert message.model_extra["reasoning_content"] == reasoning
+        if tools is None:
+            assert message.content == "At six."
+        else:
+            assert not message.content and message.tool_calls[0].function.name == "bakery"
+        deltas = [c.choices[0].delta for c in server.client().chat.completions.create(**asked, stream=True)
+                  if c.choices]
+        thoughts = [i for i, d in enumerate(deltas) if (d.model_extra or {}).get("reasoning_content")]
+        answered = [i for i, d in enumerate(deltas) if d.content or d.tool_calls]
+        assert "".join(deltas[i].model_extra["reasoning_content"] for i in thoughts) == reasoning
+        assert thoughts and answered and max(thoughts) < min(answered)  # the reasoning first
+        assert not any("think>" in (d.content or "") for d in deltas)
+    finally:
+        server.stop()
