@@ -149,27 +149,29 @@ class ChatTokenizer:
         raise NotImplementedError
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
-                            add_generation_prompt: bool = True) -> str:
-        """The prompt text for a chat (and the tools it may call), rendered with the checkpoint's own template."""
+                            add_generation_prompt: bool = True, options: dict | None = None) -> str:
+        """The prompt text for a chat (and the tools it may call), rendered with the checkpoint's own template;
+        `options`: more template variables (e.g. `thinking`), which never replace the template's own."""
         template = (self._tool_template if tools else None) or self._template
         if template is None:
             raise K2Error(f"the tokenizer has no chat template (tokenizer_config.json's chat_template or "
                           f"{TEMPLATE_FILE}); copy the model's tokenizer files or regenerate the synthetic tokenizer")
         try:
-            return template.render(messages=messages, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                   **self.template_variables)
+            return template.render(**{**(options or {}), "messages": messages, "tools": tools or None,
+                                      "add_generation_prompt": add_generation_prompt, **self.template_variables})
         except jinja2.TemplateError as exc:  # the checkpoint's template refused these messages
             raise K2Error(f"the chat template cannot render these messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Token ids of the rendered chat, ending in the assistant's generation prompt; client text stays text."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> list[int]:
+        """Token ids of the rendered chat, ending in the assistant's generation prompt; client text stays text;
+        `options`: template variables of numbers and booleans (no text, which could forge special tokens)."""
         placeholders = _Placeholders()
         specials = tuple(self.special_ids)
         wrapped_messages = [_wrap_strings(m, placeholders, specials) for m in messages]
         wrapped_tools = [_wrap_strings(t, placeholders, specials) for t in tools] if tools else None
         token = _PLACEHOLDERS.set(placeholders)
         try:
-            rendered = self.apply_chat_template(wrapped_messages, wrapped_tools)
+            rendered = self.apply_chat_template(wrapped_messages, wrapped_tools, options=options)
         finally:
             _PLACEHOLDERS.reset(token)
         return self._encode_runs(placeholders.split(rendered))

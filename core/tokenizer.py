@@ -108,7 +108,8 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "<|im_end|>"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>"
+    "{%- if thinking is defined and thinking -%}<think>{%- endif -%}{%- endif -%}"
 )
 
 TRAINING_TEXT = """\

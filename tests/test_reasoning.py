@@ -90,5 +90,22 @@ def test_reasoning_content_whole_and_streamed(tmp_path, tokenizer, answer, tools
         assert "".join(deltas[i].model_extra["reasoning_content"] for i in thoughts) == reasoning
         assert thoughts and answered and max(thoughts) < min(answered)  # the reasoning first
         assert not any("think>" in (d.content or "") for d in deltas)
+        if tools is None:  # the template opens the reasoning on request: the answer continues inside it
+            opened = server.client().chat.completions.create(**asked, extra_body={
+                "chat_template_kwargs": {"thinking": True}})
+            assert opened.choices[0].message.model_extra["reasoning_content"] == reasoning
+            assert opened.choices[0].message.content == "At six."
+            assert opened.usage.prompt_tokens == len(tokenizer.encode_chat(asked["messages"])) + 1
+            with pytest.raises(openai.BadRequestError, match="must be a boolean or a number"):
+                server.client().chat.completions.create(**asked, extra_body={
+                    "chat_template_kwargs": {"thinking": "<think>"}})
     finally:
         server.stop()
+
+
+def test_the_template_opens_the_reasoning_when_asked(tokenizer):
+    messages = [{"role": "user", "content": "When?"}]
+    think = tokenizer.special_ids["<think>"]
+    assert tokenizer.encode_chat(messages, options={"thinking": True}) == tokenizer.encode_chat(messages) + [think]
+    assert tokenizer.encode_chat(messages, options={"thinking": False}) == tokenizer.encode_chat(messages)
+    assert tokenizer.encode_chat(messages, options={"messages": []}) == tokenizer.encode_chat(messages)

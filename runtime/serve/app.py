@@ -216,7 +216,7 @@ class Service:
         if options.chat:
             try:
                 steering = ToolSteering.plan(self.tokenizer, options.tools, options.tool_choice)
-                ids = self.tokenizer.encode_chat(options.messages, options.tools)
+                ids = self.tokenizer.encode_chat(options.messages, options.tools, dict(options.template_options))
             except (jinja2.TemplateError, K2Error) as exc:  # K2Error: no chat template, or no tool-call tokens
                 raise bad_request(f"The chat template cannot render these messages: {exc}", param="messages") from None
             return ids + steering.forced_ids(self.tokenizer), steering

@@ -8,6 +8,8 @@ clients send at their neutral value (`n: 1`, `presence_penalty: 0`, `logprobs: n
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -37,7 +39,9 @@ COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", 
                  "top_k", "min_p", "repetition_penalty"}  # the last three: extras other servers take too
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                               "parallel_tool_calls", "response_format"}
+                               "parallel_tool_calls", "response_format", "chat_template_kwargs"}
+MAX_TEMPLATE_OPTIONS = 16
+TEMPLATE_OPTION_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 class ApiError(Exception):
@@ -89,6 +93,7 @@ class Options:
     json_answer: bool = False  # response_format json_object or json_schema: the answer is one JSON value
     json_schema: dict | None = None  # ... that follows this schema (None: any JSON object)
     n: int = 1  # choices per prompt
+    template_options: tuple[tuple[str, bool | int | float], ...] = ()  # chat_template_kwargs, e.g. thinking
 
 
 def parse_json(raw: bytes) -> dict:
@@ -156,7 +161,24 @@ def parse_options(body: dict, chat: bool) -> Options:
                    frequency_penalty=_number(body, "frequency_penalty", 0.0, *PENALTY_RANGE),
                    repetition_penalty=repetition_penalty, top_k=max(top_k, 0),
                    min_p=_number(body, "min_p", 0.0, 0.0, 1.0), logit_bias=_logit_bias(body),
-                   logprobs=_logprobs(body, chat), **_response_format(body, tools))
+                   logprobs=_logprobs(body, chat), template_options=_template_options(body),
+                   **_response_format(body, tools))
+
+
+def _template_options(body: dict) -> tuple[tuple[str, bool | int | float], ...]:
+    """chat_template_kwargs: up to 16 variables for the chat template, named as identifiers, each a boolean or a
+    finite number (text could carry special tokens into the prompt)."""
+    value = _optional(body, "chat_template_kwargs", dict, {})
+    if len(value) > MAX_TEMPLATE_OPTIONS:
+        raise bad_request(f"`chat_template_kwargs` takes at most {MAX_TEMPLATE_OPTIONS} entries", param="chat_template_kwargs")
+    for name, item in value.items():
+        if not TEMPLATE_OPTION_NAME.match(name):
+            raise bad_request(f"`chat_template_kwargs` names must be identifiers, got {json.dumps(name)}",
+                              param="chat_template_kwargs")
+        if not isinstance(item, bool | int | float) or (isinstance(item, float) and not math.isfinite(item)):
+            raise bad_request(f"`chat_template_kwargs.{name}` must be a boolean or a number, got "
+                              f"{json.dumps(item)[:100]}", param="chat_template_kwargs")
+    return tuple(value.items())
 
 
 def _response_format(body: dict, tools: list[dict] | None) -> dict:
