@@ -210,7 +210,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             banned_ids=steering.banned_ids, min_p=args.min_p, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
                             logit_bias=_logit_bias(args.logit_bias, manifest.config.vocab_size))
-    result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate([prompt], params)[0]
+    constraint = None
+    if tools:  # the calls name declared functions and their arguments follow the schemas, as the server's do
+        from ..runtime.constrained import GrammarError, Grammars, thinking_mode, tools_grammar
+
+        try:
+            constraint = Grammars(tokenizer, manifest.config.vocab_size).constraint(
+                tools_grammar(tools, "auto", False, thinking_mode(tokenizer, prompt)))
+        except GrammarError as exc:
+            raise K2Error(f"--tools {args.tools}: {exc}") from None
+    result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate(
+        [prompt], params, lambda ids: constraint)[0]
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
     calls, finish_reason, reasoning = [], result.finish_reason, None
     if args.chat and text is not None:

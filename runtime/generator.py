@@ -4,6 +4,7 @@ decode forwards (`batch_forward.BatchForward`) that benchmarks time one by one."
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from ..core.errors import K2Error
 from .batch_forward import BatchForward
 from .cache import Cache
+from .constrained import Constraint
 from .interface import Model
 from .requests import GenerationRequest
 from .sampling import SamplingParams
@@ -50,12 +52,14 @@ class Generator:
         """One token per row at the end of its sequence -> logits [b, vocab]; inactive rows leave the cache alone."""
         return BatchForward(self.model, cache).decode(list(range(len(tokens))), tokens, active)
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Generation]:
-        """The prompts as requests of the step loop, run until each finished (a stop id or max_new_tokens)."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 constraints: Callable[[list[int]], Constraint | None] = lambda prompt: None) -> list[Generation]:
+        """The prompts as requests of the step loop, run until each finished (a stop id or max_new_tokens);
+        constraints(prompt): the grammar its answer keeps to (runtime/constrained.py), None for a free one."""
         for prompt in prompts:
             self.check_prompt(prompt, params.max_new_tokens)
         loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
-        requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row)
+        requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row, constraint=constraints(p))
                     for row, p in enumerate(prompts)]
         first, rest = requests[0], requests[1:]
         loop.submit(first)

@@ -201,3 +201,30 @@ def test_tool_calls_are_found_whatever_the_config_says_of_the_markers(artifact, 
         assert not any(m in (d.content or "") for d in deltas for m in MARKERS)
     finally:
         server.stop()
+
+
+def test_generate_with_tools_samples_only_declared_calls_with_valid_arguments(tiny_cpu_artifact, tmp_path):
+    """A random-weight model at temperature 1: whatever it writes, each complete call it makes names a declared
+    function and its arguments follow that function's schema (the same grammar as the server's)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": schema}},
+             {"type": "function", "function": {"name": "clock", "parameters": {"type": "object", "properties": {}}}}]
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(tools))
+    section = KimiTokenizer.from_dir(tiny_cpu_artifact / "tokenizer").special_ids["<|tool_calls_section_begin|>"]
+    calls = []
+    for seed in range(6):  # the bias makes a call likely; the grammar alone keeps it well formed
+        shown = run_cli("generate", tiny_cpu_artifact, "--chat", "--prompt", "Weather?", "--tools", path,
+                        "--temperature", "1", "--seed", seed, "--max-new-tokens", "96", "--json",
+                        "--logit-bias", f"{section}=20")
+        assert shown.returncode == 0, shown.stderr
+        answer = json.loads(shown.stdout)
+        cut = answer["finish_reason"] == "length"  # its last call may end inside its arguments
+        calls += answer["tool_calls"][:-1] if cut else answer["tool_calls"]
+    assert len(calls) >= 3
+    for call in calls:
+        name = call["function"]["name"]
+        assert name in ("weather", "clock")
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema if name == "weather" else {})
