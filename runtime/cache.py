@@ -26,7 +26,7 @@ import numpy as np
 
 from ..core.cache_format import PAGE_SIZE
 from ..core.errors import K2Error
-from .page_pool import PagePool, chain_hashes
+from .page_pool import PagePool, PoolFull, chain_hashes
 
 
 def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
@@ -69,6 +69,11 @@ class EntryStore(ABC):
     @abstractmethod
     def view(self, page_table: np.ndarray) -> CacheView:
         """The rows whose pages `page_table` [rows, n] lists."""
+
+    def copy_page(self, source: int, target: int) -> bool:
+        """Copies every layer's entries of page `source` into page `target` -> whether this store can (a store
+        that cannot leaves the copy to a recompute)."""
+        return False
 
 
 class SlotView:
@@ -146,6 +151,27 @@ class Cache:
         self.lengths[slot] = held
         self.reused_tokens += held
         return held
+
+    def follow(self, slot: int, source: int, tokens: Sequence[int]) -> int:
+        """After admit: a slot whose prompt `tokens` another slot (`source`, a choice of the same prompt) holds
+        past the shared full pages takes a copy of that partial page -> the tokens it now holds (at most
+        len(tokens) - 1: the last one runs, for its logits). Where the store cannot copy, nothing changes."""
+        held, usable = int(self.lengths[slot]), len(tokens) - 1
+        theirs = self.tokens[source]
+        if (usable <= held or (usable - 1) // self.page_size != held // self.page_size or self.store is None
+                or len(theirs) < usable or theirs[:usable] != list(tokens[:usable])):
+            return held  # nothing to copy, more than one page of it (no prefix reuse), or another prompt
+        try:
+            page = self.pool.take()
+        except PoolFull:
+            return held
+        if not self.store.copy_page(self.tables[source][held // self.page_size], page):
+            self.pool.drop([page])
+            return held
+        self.tables[slot].append(page)
+        self.tokens[slot] = list(tokens[:usable])
+        self.lengths[slot] = usable
+        return usable
 
     def reserve(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Gives each slot the pages for its first `lengths` positions; PoolFull when the pool runs out (the

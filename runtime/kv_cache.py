@@ -31,6 +31,11 @@ class LatentPages(EntryStore):
     def view(self, page_table: np.ndarray) -> LatentPagesView:
         return LatentPagesView(self, page_table)
 
+    def copy_page(self, source: int, target: int) -> bool:
+        for array in self.arrays.values():
+            array[:, target] = array[:, source]
+        return True
+
 
 class LatentPagesView(CacheView):
     """Rows of a LatentPages through their page table; its inputs and outputs are OrtValues."""

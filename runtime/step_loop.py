@@ -89,7 +89,11 @@ class StepLoop:
     def running(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
         for request in self.scheduler.admit(self._fits):  # into slots released when their last request left
-            request.admitted(self.cache.admit(request.slot, request.feed_ids))
+            held = self.cache.admit(request.slot, request.feed_ids)
+            leader = request.after
+            if leader is not None and leader.slot is not None and not leader.done and held < len(request.feed_ids) - 1:
+                held = self.cache.follow(request.slot, leader.slot, request.feed_ids)  # its prefill's last page too
+            request.admitted(held)
             self.admissions += 1
             request.admission = self.admissions
             if self.metrics:

@@ -74,6 +74,28 @@ def _agree(name, logits, expected):
         np.testing.assert_allclose(logits, expected, atol=5e-2)
 
 
+def test_a_choice_of_the_same_prompt_takes_its_full_pages_and_a_copy_of_its_last():
+    from k2deploy.core.cache_format import CacheFormat
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.runtime.cache import Cache
+    from k2deploy.runtime.kv_cache import LatentPages
+
+    store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=2, pages=6)
+    cache = Cache(slots=3, max_len=4 * PAGE_SIZE, pages=6, store=store)
+    prompt = list(range(2 * PAGE_SIZE + 10))
+    assert cache.admit(0, prompt) == 0
+    cache.reserve([0], [len(prompt)])
+    for array in store.arrays.values():  # the first choice's prefill wrote its entries
+        array[:, cache.tables[0]] = np.arange(len(cache.tables[0]), dtype=array.dtype)[None, :, None, None] + 1
+    cache.record(0, prompt)
+    held = cache.admit(1, prompt)
+    assert held == 2 * PAGE_SIZE and cache.tables[1] == cache.tables[0][:2]  # the full pages, shared
+    assert cache.follow(1, 0, prompt) == len(prompt) - 1  # the last page copied: only the last token runs
+    copied, theirs = cache.tables[1][2], cache.tables[0][2]
+    assert copied != theirs and all((a[:, copied] == a[:, theirs]).all() for a in store.arrays.values())
+    assert cache.follow(2, 0, [7] * len(prompt)) == 0  # another prompt: nothing taken
+
+
 @pytest.mark.parametrize("name", ["fp8", "bf16", "cpu"])
 def test_a_reused_prefix_gives_the_logits_its_prefill_does(models, name):
     model = models[name]
