@@ -18,11 +18,10 @@ from pathlib import Path
 
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
+from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from .runtime_options import add_runtime_options
 
 MAX_BATCH = 4096  # requests running at once, at most (each is a row of every forward)
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DRAIN_GRACE_S = 5.0  # after the drain ends, time for the failed requests' last events to reach their clients
 API_KEY_VARIABLE = "K2DEPLOY_API_KEY"

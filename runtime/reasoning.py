@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .tool_calls import undecided_tail
+
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 
 _OPENING, _REASONING, _ANSWER = "opening", "reasoning", "answer"
@@ -46,7 +48,7 @@ class ReasoningSplitter:
                     reasoning.append(self._held[:end])
                     self._state, self._held = _ANSWER, self._held[end + len(THINK_END):]
                 else:
-                    keep = _partial_suffix(self._held, THINK_END)
+                    keep = undecided_tail(self._held, (THINK_END,))
                     reasoning.append(self._held[:len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep:]
                     break
@@ -60,10 +62,6 @@ class ReasoningSplitter:
         held, self._held = self._held, ""
         return Split(held, "") if self._state == _REASONING else Split("", held)
 
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """The length of the longest tail of `text` that is a proper start of `marker`."""
-    return max((n for n in range(1, len(marker)) if text.endswith(marker[:n])), default=0)
 
 
 def reasoning_splitter(tokenizer, prompt_ids: list[int]) -> ReasoningSplitter | None:

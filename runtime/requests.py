@@ -11,7 +11,7 @@ import numpy as np
 from .constrained import Constraint
 from .reasoning import ReasoningSplitter
 from .sampling import SamplingParams
-from .tool_calls import CallDelta, ToolCallParser
+from .tool_calls import CallDelta, ToolCallParser, undecided_tail
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class TextStream:
         if found:
             text, self.held = self.held[: min(found)], ""
             return text, True
-        keep = max((n for s in self.stop for n in range(1, len(s)) if self.held.endswith(s[:n])), default=0)
+        keep = undecided_tail(self.held, self.stop)
         text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return text, False
 

@@ -64,12 +64,14 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
            generated: Sequence[int] = ()) -> int:
     """logits [vocab] float32 (-inf: a token a grammar forbids) -> one token id; prompt and generated (the output so
     far) feed the penalties."""
-    if np.isnan(logits).any() or np.isposinf(logits).any():
+    top = float(logits.max())  # NaN wherever one is (max propagates it): one pass over the vocabulary
+    if math.isnan(top) or top == math.inf:
         raise K2Error("the model produced non-finite logits (NaN or inf); the artifact's weights or inputs are "
                       "damaged, re-export it from a sound checkpoint")
     if params.adjusts_logits:
         logits = adjusted(logits, params, prompt, generated)
-    if not np.isfinite(logits.max()):
+        top = float(logits.max())
+    if top == -math.inf:
         raise K2Error("no token may come next: the grammar, bias and banned tokens together forbid them all")
     if params.temperature == 0:
         return int(np.argmax(logits))

@@ -23,6 +23,7 @@ Rules:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 _TEXT, _SECTION, _HEADER, _ARGUMENTS = "text", "section", "header", "arguments"
@@ -41,6 +42,12 @@ class ToolCallMarkers:
     def all(self) -> tuple[str, ...]:
         """The five markers."""
         return (self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end)
+
+
+def undecided_tail(text: str, markers: Iterable[str]) -> int:
+    """The length of the longest tail of `text` that is a proper start of one of `markers`: text a stream holds
+    back, since the next chunk may complete the marker."""
+    return max((n for m in markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
 
 
 KIMI_K2_MARKERS = ToolCallMarkers("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
@@ -126,11 +133,7 @@ class ToolCallParser:
 
     def _undecided_from(self) -> int:
         """Where the buffer's tail that could still begin a marker starts (its length when none)."""
-        longest = max(map(len, self.markers.all()))
-        for start in range(max(0, len(self._buffer) - longest + 1), len(self._buffer)):
-            if any(m.startswith(self._buffer[start:]) for m in self.markers.all()):
-                return start
-        return len(self._buffer)
+        return len(self._buffer) - undecided_tail(self._buffer, self.markers.all())
 
     def _release(self, text: str) -> None:
         """Final text, taken as the current state makes it: content, header or arguments."""

@@ -136,3 +136,13 @@ def test_an_empty_layer_range_is_called_empty(tiny_checkpoint, tmp_path):
                                              (["--allow-origin", "evil"], "is not an origin")])
 def test_serve_options_out_of_range_are_one_line_before_loading(tiny_cpu_artifact, option, message):
     _one_line(run_cli("serve", tiny_cpu_artifact, "--port", "0", *option), message)
+
+
+@pytest.mark.parametrize("option, message", [(["--logit-bias", "x"], "expected TOKEN_ID=BIAS"),
+                                             (["--logit-bias", "99999=1"], "outside the vocabulary"),
+                                             (["--logit-bias", "5=101"], "[-100, 100]"),
+                                             (["--min-p", "2"], "min_p must lie in [0, 1]"),
+                                             (["--presence-penalty", "9"], "presence_penalty must lie in [-2, 2]")])
+def test_generate_sampling_options_out_of_range_are_one_line(tiny_cpu_artifact, option, message):
+    _one_line(run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2", *option),
+              message)

@@ -62,3 +62,15 @@ def test_token_logprobs_are_the_log_softmax_of_the_raw_logits():
 def test_out_of_range_options_are_refused(options, message):
     with pytest.raises(K2Error, match=message.replace("[", r"\[").replace("(", r"\(")):
         SamplingParams(**options)
+
+
+def test_logits_that_leave_no_token_or_are_not_finite_are_refused():
+    masked = np.full(5, -np.inf, dtype=np.float32)
+    with pytest.raises(K2Error, match="no token may come next"):
+        sample(masked, SamplingParams(), None)
+    with pytest.raises(K2Error, match="no token may come next"):
+        sample(LOGITS, SamplingParams(logit_bias=tuple((i, -100.0) for i in range(5)), banned_ids=(0, 1, 2, 3, 4)), None)
+    for bad in (np.nan, np.inf):
+        with pytest.raises(K2Error, match="non-finite logits"):
+            sample(np.array([0.0, bad, -np.inf], dtype=np.float32), SamplingParams(temperature=1.0),
+                   np.random.default_rng(0))

@@ -34,15 +34,13 @@ from ..sampling import SamplingParams
 from ..tool_calls import ToolCallParser
 from .engine import Engine
 from .metrics import ServerMetrics
-from .protocol import (SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
+from .protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
                        parse_json, parse_options, sse, usage)
 from ..requests import GenerationRequest, Update
 from ..scheduler import QueueFull
 
 OPEN_ROUTES = {"/health"}  # reachable without the API key
 RETRY_AFTER_S = "1"
-DEFAULT_MAX_REQUEST_BYTES = 4 << 20
-DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 class Service:

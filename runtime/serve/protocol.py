@@ -21,6 +21,8 @@ from ..chat_tools import check_tool_choice, check_tools
 from ..requests import TokenLogprob
 from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # serve --max-request-bytes
+DEFAULT_BODY_TIMEOUT_S = 30.0  # serve --body-timeout
 MAX_STOP_STRINGS = 4
 SEED_RANGE = (-(2**63), 2**63)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
