@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from ..core.cache_format import NAMES as CACHE_FORMATS
+from ..core.checkpoint.presets import WEIGHT_FORMATS
 from ..core.targets import TARGETS
 from .command import run_command
 from ..core.errors import K2Error
@@ -30,19 +31,20 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     from ..core.checkpoint.presets import SHARD_BYTES, preset_config
     from ..core.checkpoint.synthetic import checkpoint_bytes, write_checkpoint
 
-    config = preset_config(args.preset, layers=args.layers, overrides=args.set or [])
+    config = preset_config(args.preset, layers=args.layers, overrides=args.set or [], weights=args.format)
     total = checkpoint_bytes(config)
     started = time.perf_counter()
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {args.preset}", disable=args.json or None,
               file=sys.stderr) as bar:
         out = write_checkpoint(Path(args.out), config, seed=args.seed, shard_bytes=SHARD_BYTES[args.preset],
                                force=args.force, on_bytes=bar.update)
-    result = {"path": str(out), "preset": args.preset, "bytes": total,
+    result = {"path": str(out), "preset": args.preset, "format": args.format, "bytes": total,
               "layers": config.num_hidden_layers, "seconds": round(time.perf_counter() - started, 2)}
     if args.json:
         _print_json(result)
     else:
-        print(f"wrote {out} ({total / 1e6:.1f} MB, {config.num_hidden_layers} layers) in {result['seconds']} s")
+        print(f"wrote {out} ({total / 1e6:.1f} MB, {config.num_hidden_layers} layers, {args.format}) in "
+              f"{result['seconds']} s")
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -296,12 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     make = sub.add_parser("make-checkpoint", help="write a synthetic checkpoint in the exact Kimi K2 layout",
                           description="Write a random checkpoint in the Kimi K2 Hugging Face layout: config.json, "
-                                      "sharded FP8 safetensors with block scales, index, tokenizer.")
+                                      "sharded safetensors (FP8 with block scales, or Kimi-K2-Thinking's INT4 "
+                                      "experts), index, tokenizer.")
     make.add_argument("out", help="directory to create")
     make.add_argument("--preset", choices=["tiny", "small", "k2"], default="tiny",
                       help="tiny: tests in seconds; small: Kimi K2 attention dims, hidden 1024, for benchmarks; "
                            "k2: the real dimensions (default: tiny)")
     make.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
+    make.add_argument("--format", choices=WEIGHT_FORMATS, default="fp8",
+                      help="fp8: Kimi-K2-Instruct's FP8 e4m3 128x128 blocks; int4: Kimi-K2-Thinking's routed experts "
+                           "as compressed-tensors pack-quantized INT4 (groups of 32), the rest BF16 (default: fp8)")
     make.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     make.add_argument("--set", action="append", metavar="KEY=VALUE",
                       help="override a config field, e.g. --set n_routed_experts=384 or --set rope_scaling.factor=16")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from .checkpoint import layout
 from .config import ModelConfig
 
-DTYPE_BYTES = {layout.FP8: 1, layout.BF16: 2, layout.F32: 4}
+DTYPE_BYTES = {layout.FP8: 1, layout.BF16: 2, layout.F32: 4, layout.I32: 4, layout.I64: 8}
 
 
 def tensor_bytes(spec: layout.TensorSpec) -> int:

@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from . import int4
 from .errors import K2Error
 from .json_files import read_json
 
@@ -74,7 +76,7 @@ class ModelConfig:
     rope_theta: float
     max_position_embeddings: int
     rope_scaling: dict | None = None  # YaRN: type, factor, original_max_position_embeddings, beta_*, mscale*
-    quantization_config: dict | None = None  # fp8 e4m3 with weight_block_size, or None for BF16 weights
+    quantization_config: dict | None = None  # fp8 e4m3 with weight_block_size, compressed-tensors INT4, or None: BF16
     hidden_act: str = "silu"
     moe_layer_freq: int = 1
     attention_bias: bool = False
@@ -178,7 +180,12 @@ class ModelConfig:
                  f"original_max_position_embeddings must be a positive integer, got {original!r}")
         if self.quantization_config is not None:
             q = self.quantization_config
-            need(q.get("quant_method") == "fp8", "quantization_config", f"quant_method is {q.get('quant_method')!r}; only 'fp8' is supported")
+            method = q.get("quant_method")
+            need(method in ("fp8", int4.QUANT_METHOD), "quantization_config",
+                 f"quant_method is {method!r}; only 'fp8' and {int4.QUANT_METHOD!r} (INT4 pack-quantized) are supported")
+            if method == int4.QUANT_METHOD:
+                int4.parse_scheme(q, source)
+                return
             need(q.get("fmt", "e4m3") == "e4m3", "quantization_config", f"fmt is {q.get('fmt')!r}; only 'e4m3' is supported")
             block = q.get("weight_block_size")
             need(isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block),
@@ -192,10 +199,24 @@ class ModelConfig:
 
     @property
     def fp8_block(self) -> tuple[int, int] | None:
-        if self.quantization_config is None:
+        """The FP8 weights' block (rows, cols); None when the checkpoint is BF16 or INT4."""
+        if self.quantization_config is None or self.int4 is not None:
             return None
         rows, cols = self.quantization_config["weight_block_size"]
         return rows, cols
+
+    @cached_property
+    def int4(self) -> int4.Int4Scheme | None:
+        """The INT4 scheme of a compressed-tensors checkpoint (core/int4.py); None for FP8 and BF16 ones."""
+        q = self.quantization_config
+        if q is None or q.get("quant_method") != int4.QUANT_METHOD:
+            return None
+        return int4.parse_scheme(q, "config")
+
+    @property
+    def weight_format(self) -> str:
+        """How the checkpoint stores its projections: fp8, int4 (routed experts, the rest BF16) or bf16."""
+        return "int4" if self.int4 is not None else "fp8" if self.quantization_config is not None else "bf16"
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0

@@ -27,6 +27,7 @@ def describe_artifact(manifest: Manifest) -> dict:
         },
         "target": artifact_target(data).name,
         "weights": data.get("weights"),
+        "weight_formats": _weight_formats(data.get("weight_formats")),
         "kv_cache": kv,
         "kv_cache_bytes_per_token_per_layer": kv["bytes_per_token_per_layer"],
         "kv_cache_bytes_per_token": kv["bytes_per_token_per_layer"] * len(layers),
@@ -52,6 +53,8 @@ def format_artifact(info: dict) -> str:
         + ", ".join(f"{n} {kind}" for kind, n in structures.items())
         + ("" if info["complete"] else "  (no embedding or head: cannot run alone)"),
         f"target      {info['target']}" + (f": {info['weights']}" if info["weights"] else ""),
+        *(f"  {group:<22}{entry['format']}: {entry['bytes']:,} bytes"
+          for group, entry in (info["weight_formats"] or {}).items()),
         f"kv cache    {kv['format']}: {kv['bytes_per_token_per_layer']} bytes per token per layer, "
         f"{info['kv_cache_bytes_per_token']:,} per token ({kv['layout']})",
         f"layer in    {layer_inputs}",
@@ -59,3 +62,13 @@ def format_artifact(info: dict) -> str:
         f"files       {info['files']}, {info['bytes']:,} bytes; opset {info['opset']}; "
         f"torch {info['versions'].get('torch')}, onnx {info['versions'].get('onnx')}",
     ])
+
+
+def _weight_formats(entry) -> dict | None:
+    """The manifest's `weight_formats` ({group: {format, bytes}}) when well formed; None for older artifacts (or a
+    damaged entry: inspect only reports it)."""
+    if not isinstance(entry, dict) or len(entry) > 16:
+        return None
+    well_formed = all(isinstance(g, str) and isinstance(v, dict) and isinstance(v.get("format"), str)
+                      and isinstance(v.get("bytes"), int) and v["bytes"] >= 0 for g, v in entry.items())
+    return {g: {"format": v["format"][:200], "bytes": v["bytes"]} for g, v in entry.items()} if well_formed else None

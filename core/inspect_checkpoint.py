@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from .checkpoint import layout
 from .checkpoint.reader import Checkpoint
 from .sizes import kv_cache_bytes_per_token
@@ -14,9 +12,9 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict:
     entries = checkpoint.entries
     total = active = 0
     for spec in layout.all_tensors(c):
-        if spec.role == "scale":
+        count = spec.parameters
+        if not count:
             continue
-        count = math.prod(entries[spec.name].shape)
         total += count
         # a routed expert's weights are read by k of every E tokens
         active += count * c.num_experts_per_tok // c.n_routed_experts if layout.is_routed_expert(spec.name) else count
@@ -24,7 +22,6 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict:
         {"layer": i, "kind": "moe" if c.is_moe_layer(i) else "dense", "bytes": checkpoint.layer_bytes(i)}
         for i in range(c.num_hidden_layers)
     ]
-    block = c.fp8_block
     return {
         "kind": "checkpoint",
         "path": str(checkpoint.root),
@@ -51,7 +48,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict:
                 "topk_group": c.topk_group,
                 "routed_scaling_factor": c.routed_scaling_factor,
             },
-            "weights": f"fp8 e4m3, {block[0]}x{block[1]} blocks" if block else "bf16",
+            "weights": _weights_line(c),
             "rope_scaling": c.rope_scaling,
             "max_position_embeddings": c.max_position_embeddings,
         },
@@ -62,6 +59,7 @@ def describe_checkpoint(checkpoint: Checkpoint) -> dict:
             "embedding": entries["model.embed_tokens.weight"].nbytes,
             "head": sum(entries[s.name].nbytes for s in layout.head_tensors(c)),
             "per_layer": per_layer,
+            "by_format": _bytes_by_format(c, entries),
         },
         "kv_cache_bytes_per_token_per_layer": kv_cache_bytes_per_token(c),
     }
@@ -82,6 +80,7 @@ def format_checkpoint(info: dict) -> str:
         f"parameters  {params['total']:,} total ({_short(params['total'])}), "
         f"{params['active_per_token']:,} active per token ({_short(params['active_per_token'])})",
         f"bytes       {sizes['total']:,} in {sizes['shards']} shards; embedding {sizes['embedding']:,}, head {sizes['head']:,}",
+        "  by format " + ", ".join(f"{name} {value:,}" for name, value in sizes["by_format"].items()),
     ]
     by_kind: dict[str, list[int]] = {}
     for row in sizes["per_layer"]:
@@ -99,3 +98,23 @@ def _short(count: int) -> str:
         if count >= size:
             return f"{count / size:.2f} {suffix}"
     return str(count)
+
+
+def _weights_line(c) -> str:
+    """How the checkpoint stores its projections, in a few words."""
+    if c.int4 is not None:
+        return (f"int4 (compressed-tensors pack-quantized, groups of {c.int4.group}, bf16 scales) where not ignored; "
+                f"the rest bf16")
+    block = c.fp8_block
+    return f"fp8 e4m3, {block[0]}x{block[1]} blocks" if block else "bf16"
+
+
+def _bytes_by_format(c, entries) -> dict[str, int]:
+    """Tensor bytes by storage format: int4 (codes, group scales and shapes), fp8 (codes and block scales), and
+    the plain dtypes of the rest."""
+    totals: dict[str, int] = {}
+    for spec in layout.all_tensors(c):
+        name = "int4" if spec.role.startswith("int4") else "fp8" if spec.dtype == layout.FP8 or spec.role == "scale" \
+            else spec.dtype.lower()
+        totals[name] = totals.get(name, 0) + entries[spec.name].nbytes
+    return totals

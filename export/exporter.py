@@ -26,11 +26,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 
 from ..core.cache_format import NAMES as CACHE_NAMES
 from ..core.cache_format import PAGE_SIZE, CacheFormat
+from ..core.checkpoint import layout
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..core.errors import K2Error
@@ -42,6 +42,7 @@ from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tok
 from .. import plugins
 from . import graph_modules as gm
 from .passes import Lowering
+from .weight_formats import weight_formats
 from .onnx_graph import TracingError, io_spec, trace, write_graph
 
 GRAPH_DIR = "graphs"
@@ -158,8 +159,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     checkpoint = Checkpoint.open(options.checkpoint)
     config = checkpoint.config
     tokenizer = _check_tokenizer(Path(options.checkpoint), config.vocab_size)
-    if config.fp8_block is None:
-        raise K2Error(f"{options.checkpoint}: export needs FP8 weights (a quantization_config with weight_block_size)")
+    _check_weight_format(config, options)
     if options.layers is not None:
         start, stop = options.layers
         if start >= stop:
@@ -198,7 +198,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         def pieces(name: str, job=job, derived=derived):
             if name in derived:
                 return [derived[name]]
-            computed = gm.absorbed_int8_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
+            computed = gm.computed_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
             if computed is None:
                 computed = lowering.pieces(config, checkpoint, job.kind, job.layer, name)
             if computed is not None:
@@ -222,15 +222,33 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     return manifest
 
 
+def _check_weight_format(config: ModelConfig, options: ExportOptions) -> None:
+    """FP8 checkpoints export for every target; INT4 ones (routed experts INT4, the rest BF16) where ONNX Runtime's
+    4-bit QMoE runs their experts."""
+    if config.fp8_block is None and config.int4 is None:
+        raise K2Error(f"{options.checkpoint}: export needs FP8 or INT4 weights (a quantization_config); this "
+                      f"checkpoint is BF16")
+    if config.int4 is None:
+        return
+    quantised = [s.name for s in layout.all_tensors(config) if s.role == "int4" and not layout.is_routed_expert(s.name)]
+    if quantised:
+        raise K2Error(f"{options.checkpoint}: {quantised[0].removesuffix('.weight_packed')} is INT4; this export "
+                      f"lowers INT4 routed experts only (the rest must be BF16, as in Kimi-K2-Thinking)")
+    if options.target == "tensorrt":
+        raise K2Error("INT4 experts have no TensorRT plugin in this version (TensorRT's INT4 weight-only kernels "
+                      "take fixed weights, not routed experts); export this checkpoint with --target cuda (ONNX "
+                      "Runtime's 4-bit QMoE) or --target cpu")
+
+
 def _check_scales(checkpoint: Checkpoint, jobs: list[GraphJob]) -> None:
     """Every FP8 block scale the export will copy is finite: a NaN or inf scale turns its whole block into NaN."""
     for job in jobs:
         if job.layer is None:
             continue
-        for name in checkpoint.layer_names(job.layer):
-            if name.endswith("_scale_inv") and not np.isfinite(checkpoint.raw(name)).all():
-                raise K2Error(f"{checkpoint.root}: {name} holds a non-finite scale (NaN or inf); the checkpoint is "
-                              f"damaged, nothing was exported")
+        try:
+            checkpoint.check_quantised(checkpoint.layer_names(job.layer))
+        except K2Error as error:
+            raise K2Error(f"{error}; nothing was exported") from None
 
 
 def _refuse_out_in_checkpoint(checkpoint: Path, out: Path) -> None:
@@ -323,6 +341,8 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "kv_cache": CacheFormat.for_config(config, options.kv_cache).description(),
         "target": options.target,
         "weights": get_target(options.target).weights,
+        "weight_formats": weight_formats([out / GRAPH_DIR / f"{job.stem}.onnx" for job in jobs], config,
+                                         options.target),
         "opset": options.opset,
         "custom_ops": {"domain": plugins.DOMAIN, "version": plugins.VERSION,
                        "ops": [f.name for f in plugins.onnx_functions(config)],

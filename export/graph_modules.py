@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.cache_format import CODINGS, CacheArray, CacheFormat
+from ..core import int4
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..plugins import mla
@@ -56,10 +57,31 @@ class Fp8Linear(nn.Module):
         return F.linear(x, self.dequantized())
 
 
-def lowered_linear(lowering: Lowering, fp8_block: int):
-    """(in, out) -> the target's linear: what its passes lower it to, else FP8 as in the checkpoint."""
+class Bf16Linear(nn.Module):
+    """y = x W^T with W kept as the checkpoint's BF16 [out, in] (an INT4 checkpoint's unquantised projections)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.bfloat16))
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized())
+
+
+def checkpoint_linear(config: ModelConfig, in_features: int, out_features: int) -> nn.Module:
+    """A projection as the checkpoint stores it: FP8 blocks, or BF16 beside an INT4 checkpoint's experts."""
+    if config.fp8_block is None:
+        return Bf16Linear(in_features, out_features)
+    return Fp8Linear(in_features, out_features, config.fp8_block[0])
+
+
+def lowered_linear(lowering: Lowering, config: ModelConfig):
+    """(in, out) -> the target's linear: what its passes lower it to, else as in the checkpoint."""
     def make(in_features: int, out_features: int) -> nn.Module:
-        return lowering.linear(in_features, out_features) or Fp8Linear(in_features, out_features, fp8_block)
+        return lowering.linear(in_features, out_features) or checkpoint_linear(config, in_features, out_features)
     return make
 
 
@@ -131,20 +153,47 @@ def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new_latent, new_rop
         kv_b.w_uv_int8, kv_b.w_uv_scale, mask, attention.nope, attention.v_dim, attention.softmax_scale)
 
 
-def _fp8_kv_b(config: ModelConfig) -> Fp8Linear:
+def _checkpoint_kv_b(config: ModelConfig) -> nn.Module:
     c = config
-    return Fp8Linear(c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.fp8_block[0])
+    return checkpoint_linear(c, c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
 
 
 # op -> (kv_b_proj's module, the attention face that feeds the op)
-ATTENTION_FACES = {mla.mla_attention: (_fp8_kv_b, _attention_over_widened),
+ATTENTION_FACES = {mla.mla_attention: (_checkpoint_kv_b, _attention_over_widened),
                    mla.mla_attention_int8_cache: (AbsorbedInt8, _attention_over_int8)}
 
 
-def absorbed_int8_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int, name: str):
-    """The bytes of an `AbsorbedInt8` initializer, from the layer's kv_b_proj; None for any other name."""
-    if not name.startswith("self_attn.kv_b_proj.w_u"):
-        return None
+def computed_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int, name: str):
+    """The bytes of a layer initializer that every target computes rather than copies (absorbed int8 kv_b_proj,
+    INT4 experts in QMoE's order); None for any other name."""
+    if name.startswith("self_attn.kv_b_proj.w_u"):
+        return _absorbed_int8_pieces(config, checkpoint, layer, name)
+    if config.int4 is not None and name.startswith("mlp.experts_fc"):
+        return _int4_expert_pieces(config, checkpoint, layer, name)
+    return None
+
+
+def _int4_expert_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int, name: str):
+    """One expert at a time: fc1 codes, gate and up rows interleaved [2f, m / 2] (the checkpoint's bytes, rows
+    reordered), fc2 codes [m, f / 2]; their BF16 group scales widened to float32 in the same row order."""
+    fc, part = name.removeprefix("mlp.experts_").split("_")
+    prefix = f"model.layers.{layer}.mlp.experts."
+    suffix = "weight_packed" if part == "codes" else "weight_scale"
+
+    def rows(expert: int, proj: str) -> np.ndarray:
+        array = checkpoint.raw(f"{prefix}{expert}.{proj}.{suffix}")
+        return int4.nibble_bytes(array) if part == "codes" else array.astype(np.float32)
+
+    for expert in range(config.n_routed_experts):
+        if fc == "fc2":
+            yield np.ascontiguousarray(rows(expert, "down_proj"))
+        else:
+            gate, up = rows(expert, "gate_proj"), rows(expert, "up_proj")
+            yield np.stack([gate, up], axis=1).reshape(2 * gate.shape[0], gate.shape[1])
+
+
+def _absorbed_int8_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int, name: str):
+    """The bytes of an `AbsorbedInt8` initializer, from the layer's kv_b_proj."""
     weight = torch.from_numpy(checkpoint.float32(f"model.layers.{layer}.self_attn.kv_b_proj.weight"))
     parts = mla.absorbed_int8(weight, config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim)
     names = ("w_uk_int8", "w_uk_scale", "w_uv_int8", "w_uv_scale")
@@ -156,26 +205,34 @@ def absorbed_int8_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int
 class ExportMoE(nn.Module):
     """Routing and dispatch through the plugin ops. Routed experts stacked per projection as e4m3 bits
     [e, rows, cols] uint8 with their block scales; where the target's passes give an int8 block, as int8
-    blocks with gate and up interleaved in fc1."""
+    blocks with gate and up interleaved in fc1; an INT4 checkpoint's experts as its own 4-bit codes, gate and
+    up interleaved in fc1, multiplied at the accuracy the target's passes ask (plugins/int4.py)."""
 
-    def __init__(self, config: ModelConfig, block: int, lowering: Lowering):
+    def __init__(self, config: ModelConfig, lowering: Lowering):
         super().__init__()
         c = config
         e, f, m = c.n_routed_experts, c.moe_intermediate_size, c.hidden_size
-        self.config, self.block = c, block
+        self.config, self.block = c, c.fp8_block[0] if c.fp8_block else None
         self.gate = nn.Module()
         self.gate.register_buffer("weight", torch.empty(e, m, dtype=torch.bfloat16))
         self.gate.register_buffer("e_score_correction_bias", torch.empty(e, dtype=torch.float32))
-        self.int8_block = lowering.experts_block(c)
-        if self.int8_block:
+        self.int4_accuracy = lowering.int4_accuracy() if c.int4 is not None else None
+        self.int8_block = lowering.experts_block(c) if c.int4 is None else None
+        if self.int4_accuracy is not None:  # the checkpoint's INT4 codes for QMoE (plugins/int4.py)
+            group = c.int4.group
+            for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
+                self.register_buffer(f"experts_{fc}_codes", torch.empty(e, rows, cols // 2, dtype=torch.uint8))
+                self.register_buffer(f"experts_{fc}_scales", torch.empty(e, rows, cols // group))
+        elif self.int8_block:
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
                 self.register_buffer(f"experts_{fc}_weight", torch.empty(e, rows, cols, dtype=torch.uint8))
                 self.register_buffer(f"experts_{fc}_scale", torch.empty(e, rows, cols // self.int8_block))
         else:
             for proj, (rows, cols) in {"gate_proj": (f, m), "up_proj": (f, m), "down_proj": (m, f)}.items():
                 self.register_buffer(f"experts_{proj}_weight", torch.empty(e, rows, cols, dtype=torch.uint8))
-                self.register_buffer(f"experts_{proj}_scale", torch.empty(e, -(-rows // block), -(-cols // block)))
-        self.shared_experts = (model.MLP(m, f * c.n_shared_experts, lowered_linear(lowering, block))
+                self.register_buffer(f"experts_{proj}_scale",
+                                     torch.empty(e, -(-rows // self.block), -(-cols // self.block)))
+        self.shared_experts = (model.MLP(m, f * c.n_shared_experts, lowered_linear(lowering, c))
                                if c.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +242,11 @@ class ExportMoE(nn.Module):
         route_weights, expert_ids = torch.ops.k2deploy.moe_route(
             tokens, self.gate.weight.float(), self.gate.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
-        if self.int8_block:
+        if self.int4_accuracy is not None:
+            out = torch.ops.k2deploy.moe_experts_int4(
+                tokens, expert_ids, route_weights, self.experts_fc1_codes, self.experts_fc1_scales,
+                self.experts_fc2_codes, self.experts_fc2_scales, self.int4_accuracy)
+        elif self.int8_block:
             out = torch.ops.k2deploy.moe_experts_int8(
                 tokens, expert_ids, route_weights, self.experts_fc1_weight, self.experts_fc1_scale,
                 self.experts_fc2_weight, self.experts_fc2_scale)
@@ -201,19 +262,18 @@ class ExportMoE(nn.Module):
 
 def export_faces(config: ModelConfig, cache_format: str, target: str) -> model.Faces:
     """The layer's faces for a target and cache format: BF16 norms as in the checkpoint."""
-    block = config.fp8_block[0]
     lowering = Lowering(target)
     kv_b, attention = ATTENTION_FACES[mla.CACHE_ATTENTION[cache_format]]
-    return model.Faces(attention, lowered_linear(lowering, block), kv_b,
-                       lambda c: ExportMoE(c, block, lowering), torch.bfloat16)
+    return model.Faces(attention, lowered_linear(lowering, config), kv_b, lambda c: ExportMoE(c, lowering),
+                       torch.bfloat16)
 
 
 class ExportLayer(model.Block):
     """The decoder layer as traced: `model.Block` of the target's faces, with the cache I/O in its stored format."""
 
     def __init__(self, config: ModelConfig, layer: int, cache_format: str, target: str):
-        if config.fp8_block is None:
-            raise ValueError("export needs an FP8 checkpoint (quantization_config with weight_block_size)")
+        if config.fp8_block is None and config.int4 is None:
+            raise ValueError("export needs an FP8 or INT4 checkpoint (a quantization_config)")
         super().__init__(config, layer, export_faces(config, cache_format, target))
         self.config, self.cache = config, CacheFormat.for_config(config, cache_format)
         if CACHE_TORCH_DTYPES[cache_format] == torch.float8_e4m3fn:

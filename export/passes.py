@@ -29,6 +29,7 @@ from ..core.config import ModelConfig
 from ..core.manifest import file_record
 from ..core.targets import get_target
 from ..plugins import int8
+from ..plugins.int4 import EXACT, INT8_ACTIVATIONS
 
 
 class Pass:
@@ -38,6 +39,10 @@ class Pass:
         return None
 
     def experts_block(self, config: ModelConfig) -> int | None:
+        return None
+
+    def int4_accuracy(self) -> int | None:
+        """QMoE's accuracy_level for an INT4 checkpoint's experts (plugins/int4.py); None: the exact one."""
         return None
 
     def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None,
@@ -77,6 +82,9 @@ class Int8Weights(Pass):
 
     def experts_block(self, config: ModelConfig) -> int | None:
         return int8.int8_block(config.hidden_size, config.moe_intermediate_size)
+
+    def int4_accuracy(self) -> int | None:
+        return INT8_ACTIVATIONS
 
     def pieces(self, config, checkpoint, kind, layer, name):
         prefix = "" if kind == "head" else f"model.layers.{layer}."
@@ -149,6 +157,9 @@ class Lowering:
 
     def experts_block(self, config: ModelConfig) -> int | None:
         return next((b for p in self.passes if (b := p.experts_block(config)) is not None), None)
+
+    def int4_accuracy(self) -> int:
+        return next((a for p in self.passes if (a := p.int4_accuracy()) is not None), EXACT)
 
     def pieces(self, config, checkpoint, kind, layer, name) -> Iterable[np.ndarray] | None:
         return next((x for p in self.passes if (x := p.pieces(config, checkpoint, kind, layer, name)) is not None),

@@ -11,6 +11,7 @@ import torch
 
 from ..core.config import ModelConfig
 from .experts import EXPERTS, moe_experts, moe_experts_down_function, moe_experts_function, moe_experts_up_function
+from .int4 import EXPERTS_INT4, moe_experts_int4, moe_experts_int4_onnx
 from .int8 import EXPERTS_INT8, LINEAR_INT8, linear_int8, linear_int8_onnx, moe_experts_int8, moe_experts_int8_onnx
 from .mla import (ATTENTION, ATTENTION_INT8_CACHE, mla_attention, mla_attention_function, mla_attention_int8_cache,
                   mla_attention_int8_cache_function)
@@ -19,11 +20,11 @@ from .op_spec import OpSpec
 from .routing import ROUTE, moe_route, moe_route_function
 
 __all__ = ["DOMAIN", "OPS", "VERSION", "moe_experts", "mla_attention", "moe_route", "mla_attention_int8_cache",
-           "linear_int8", "moe_experts_int8", "onnx_functions", "split_functions", "translation_table"]
+           "linear_int8", "moe_experts_int8", "moe_experts_int4", "onnx_functions", "split_functions", "translation_table"]
 
 # every custom op's declaration (plugins/op_spec.py), from which its torch op, ONNX node and TensorRT plugin(s)
 # come; the two plugins a TensorRT copy runs MoeExperts as are EXPERTS.split_into
-OPS: tuple[OpSpec, ...] = (ROUTE, EXPERTS, ATTENTION, ATTENTION_INT8_CACHE, LINEAR_INT8, EXPERTS_INT8)
+OPS: tuple[OpSpec, ...] = (ROUTE, EXPERTS, ATTENTION, ATTENTION_INT8_CACHE, LINEAR_INT8, EXPERTS_INT8, EXPERTS_INT4)
 
 
 def translation_table() -> dict:
@@ -36,6 +37,7 @@ def translation_table() -> dict:
         torch.ops.k2deploy.mla_attention_int8_cache.default: ATTENTION_INT8_CACHE.onnx_lowering(),
         torch.ops.k2deploy.linear_int8.default: linear_int8_onnx,
         torch.ops.k2deploy.moe_experts_int8.default: moe_experts_int8_onnx,
+        torch.ops.k2deploy.moe_experts_int4.default: moe_experts_int4_onnx,
     }
 
 

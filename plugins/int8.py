@@ -14,6 +14,8 @@ that torch.export traces, and its ONNX lowering, here to ONNX Runtime's own cont
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -68,18 +70,25 @@ def _linear_int8_eager(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tenso
 
 def _moe_experts_int8_eager(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales) -> torch.Tensor:
     """x [n, m], expert_ids / route_weights [n, k]; fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f]
-    as codes uint8 with scales [e, rows, cols / block] -> [n, m] float32: each token's chosen experts' SwiGLU,
-    weighted by its route weights and summed."""
+    as codes uint8 with scales [e, rows, cols / block] -> [n, m] float32."""
     _, rows, m = fc1_codes.shape
     block = m // fc1_scales.shape[-1]  # one block size for both (QMoE's block_size)
+    return fused_swiglu_experts(
+        x, expert_ids, route_weights,
+        lambda e: dequantize_rows(fc1_codes[e].view(rows, -1, block), fc1_scales[e]),
+        lambda e: dequantize_rows(fc2_codes[e].view(m, -1, block), fc2_scales[e]))
+
+
+def fused_swiglu_experts(x, expert_ids, route_weights, fc1_of: Callable, fc2_of: Callable) -> torch.Tensor:
+    """QMoE's maths in float32: each token's chosen experts' SwiGLU, weighted by its route weights and summed.
+    x [n, m], expert_ids / route_weights [n, k]; fc1_of(e) -> expert e's [2f, m] float32 weight (gate and up rows
+    interleaved), fc2_of(e) -> its [m, f] -> [n, m] float32."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for expert in expert_ids.unique().tolist():
         tokens, slots = (expert_ids == expert).nonzero(as_tuple=True)
-        fc1 = dequantize_rows(fc1_codes[expert].view(rows, -1, block), fc1_scales[expert])  # [2f, m]
-        fc2 = dequantize_rows(fc2_codes[expert].view(m, -1, block), fc2_scales[expert])  # [m, f]
-        both = x[tokens].float() @ fc1.T  # [n_e, 2f]: gate, up, gate, up, ...
+        both = x[tokens].float() @ fc1_of(expert).T  # [n_e, 2f]: gate, up, gate, up, ...
         hidden = F.silu(both[:, 0::2]) * both[:, 1::2]
-        out.index_add_(0, tokens, (hidden @ fc2.T) * route_weights[tokens, slots, None])
+        out.index_add_(0, tokens, (hidden @ fc2_of(expert).T) * route_weights[tokens, slots, None])
     return out
 
 
@@ -132,16 +141,24 @@ def linear_int8_onnx(x, codes, scales):
 
 
 def moe_experts_int8_onnx(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales):
-    """QMoE chooses top-k of router_probs and mixes with router_weights: both are the routing's own choice,
+    e, _, m = fc1_codes.shape
+    return qmoe_node(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales, bits=8,
+                     block=m // fc1_scales.shape[-1], accuracy_level=INT8_COMPUTE)
+
+
+def qmoe_node(x, expert_ids, route_weights, fc1_codes, fc1_scales, fc2_codes, fc2_scales, bits: int, block: int,
+              accuracy_level: int):
+    """One QMoE node over experts whose codes are `bits` wide (fc1: gate and up rows interleaved, fused SwiGLU).
+    QMoE chooses top-k of router_probs and mixes with router_weights: both are the routing's own choice,
     scattered to [n, e] (ones on the chosen experts, and their route weights)."""
     from onnxscript import opset21 as op
 
-    e, _, m = fc1_codes.shape
+    e = fc1_codes.shape[0]
     k = expert_ids.shape[-1]
     zeros = op.ConstantOfShape(op.Concat(op.Shape(x, start=0, end=1), op.Constant(value_ints=[e]), axis=0))
     chosen = op.ScatterElements(zeros, expert_ids, op.Expand(op.Constant(value_float=1.0), op.Shape(expert_ids)), axis=1)
     mixing = op.ScatterElements(zeros, expert_ids, route_weights, axis=1)
     return _qmoe(x, chosen, fc1_codes, fc1_scales, None, fc2_codes, fc2_scales, None, None, None, None, None, None,
                  None, mixing, k=k, activation_type="swiglu", activation_alpha=1.0, activation_beta=0.0,
-                 normalize_routing_weights=0, swiglu_fusion=1, expert_weight_bits=8,
-                 block_size=m // fc1_scales.shape[-1], accuracy_level=INT8_COMPUTE, quant_type="int")
+                 normalize_routing_weights=0, swiglu_fusion=1, expert_weight_bits=bits, block_size=block,
+                 accuracy_level=accuracy_level, quant_type="int")

@@ -10,10 +10,13 @@ import math
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from ..errors import K2Error
 
 FP8 = "F8_E4M3"
 BF16 = "BF16"
 F32 = "F32"
+I32 = "I32"
+I64 = "I64"
 
 
 @dataclass(frozen=True)
@@ -21,15 +24,37 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # safetensors dtype string
-    role: str  # "proj" (a weight matrix), "scale" (its block scales), "norm", "router", "bias", "embedding", "head"
+    role: str  # "proj" (a weight matrix), "scale" (its block scales), "norm", "router", "bias", "embedding", "head";
+               # INT4: "int4" (the packed codes), "int4_scale", "int4_shape"
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def parameters(self) -> int:
+        """The model parameters the tensor holds: none for scales and shapes, eight per INT4 word."""
+        if self.role in ("scale", "int4_scale", "int4_shape"):
+            return 0
+        return self.numel * (8 if self.role == "int4" else 1)
+
 
 def projection(config: ModelConfig, name: str, out_features: int, in_features: int) -> list[TensorSpec]:
-    """A `*_proj.weight` [out, in]: FP8 with its `weight_scale_inv` blocks, or BF16 when unquantised."""
+    """A `*_proj.weight` [out, in]: FP8 with its `weight_scale_inv` blocks; INT4 as compressed-tensors packs it
+    (`weight_packed` int32 [out, in/8], `weight_scale` BF16 [out, in/group], `weight_shape` [2], core/int4.py)
+    where the INT4 scheme does not ignore it; else BF16."""
+    scheme = config.int4
+    if scheme is not None:
+        if not scheme.quantizes(name):
+            return [TensorSpec(f"{name}.weight", (out_features, in_features), BF16, "proj")]
+        if in_features % scheme.group:
+            raise K2Error(f"config: quantization_config group_size {scheme.group} does not divide the input width "
+                          f"{in_features} of {name}.weight_packed")
+        return [
+            TensorSpec(f"{name}.weight_packed", (out_features, in_features // 8), I32, "int4"),
+            TensorSpec(f"{name}.weight_scale", (out_features, in_features // scheme.group), BF16, "int4_scale"),
+            TensorSpec(f"{name}.weight_shape", (2,), I64, "int4_shape"),
+        ]
     block = config.fp8_block
     if block is None:
         return [TensorSpec(f"{name}.weight", (out_features, in_features), BF16, "proj")]

@@ -3,7 +3,8 @@
 `k2` is the released Kimi-K2-Instruct config.json. `tiny` keeps every structural feature
 (dense first layer, MoE layers with a shared expert, sigmoid routing with a correction bias,
 q_lora, FP8 blocks with partial edges, YaRN) at a size the test suite runs in seconds.
-`small` has Kimi K2's attention dimensions and a 1024-wide model, for benchmarks.
+`small` has Kimi K2's attention dimensions and a 1024-wide model, for benchmarks. Each comes in Kimi-K2-Instruct's
+FP8 layout or Kimi-K2-Thinking's INT4 one (`weights="int4"`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from ..config import ModelConfig
 from ..errors import K2Error
+from ..int4 import Int4Scheme
 
 KIMI_K2 = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -122,11 +124,24 @@ PRESET_CHANGES: dict[str, dict[str, Any]] = {
 SHARD_BYTES = {"tiny": 1 << 20, "small": 1 << 28, "k2": 5 << 30}
 
 
-def preset_config(name: str, layers: int | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
+# Kimi-K2-Thinking's INT4 layout: routed experts INT4 in groups of 32; attention, shared experts, the dense
+# layer's MLP and the head stay BF16 (its config's `ignore` list).
+K2_THINKING_INT4 = Int4Scheme(32, ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"))
+WEIGHT_FORMATS = ("fp8", "int4")  # fp8: Kimi-K2-Instruct's layout; int4: Kimi-K2-Thinking's
+
+
+def preset_config(name: str, layers: int | None = None, overrides: list[str] | tuple[str, ...] = (),
+                  weights: str = "fp8") -> ModelConfig:
+    """The preset's config in the checkpoint format `weights` (WEIGHT_FORMATS), then `overrides` applied."""
     if name not in PRESET_CHANGES:
         raise K2Error(f"unknown preset {name!r}; choose one of {', '.join(PRESET_CHANGES)}")
+    if weights not in WEIGHT_FORMATS:
+        raise K2Error(f"unknown weight format {weights!r}; choose one of {', '.join(WEIGHT_FORMATS)}")
     raw = json.loads(json.dumps(KIMI_K2))
     raw.update(json.loads(json.dumps(PRESET_CHANGES[name])))
+    if weights == "int4":
+        raw["quantization_config"] = K2_THINKING_INT4.to_dict()
     if layers is not None:
         raw["num_hidden_layers"] = layers
     for item in overrides:

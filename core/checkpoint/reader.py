@@ -18,11 +18,13 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import K2Error
 from ..json_files import loads
+from .. import int4
 from . import layout
 from .fp8 import dequantize
 from .safetensors_io import NUMPY_DTYPES, TensorEntry, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
+SHAPE_DTYPES = ("I64", "I32")  # an INT4 weight_shape as compressed-tensors saves it (int64), or int32
 SINGLE_FILE = "model.safetensors"
 
 
@@ -59,7 +61,7 @@ class Checkpoint:
                     f"{self.root}: tensor {spec.name} in {entry.shard.name} has shape {list(entry.shape)}, "
                     f"the config implies {list(spec.shape)}"
                 )
-            if entry.dtype != spec.dtype:
+            if entry.dtype != spec.dtype and not (spec.role == "int4_shape" and entry.dtype in SHAPE_DTYPES):
                 raise K2Error(f"{self.root}: tensor {spec.name} in {entry.shard.name} is {entry.dtype}, expected {spec.dtype}")
 
     # -- reading --------------------------------------------------------------------------
@@ -90,7 +92,9 @@ class Checkpoint:
             os.close(descriptor)
 
     def float32(self, name: str) -> np.ndarray:
-        """A tensor in float32; `*.weight` of an FP8 projection comes back dequantised."""
+        """A tensor in float32; `*.weight` of an FP8 or INT4 projection comes back dequantised."""
+        if name not in self.entries and self.config.int4 is not None and name + "_packed" in self.entries:
+            return int4.dequantize(self.raw(name + "_packed"), self.raw(name + "_scale"), self.config.int4.group)
         array = self.raw(name)
         if array.dtype == NUMPY_DTYPES["F8_E4M3"]:
             scale_name = name + "_scale_inv"
@@ -98,6 +102,20 @@ class Checkpoint:
                 raise K2Error(f"{self.root}: FP8 tensor {name} has no {scale_name} or the config no weight_block_size")
             return dequantize(array, self.raw(scale_name), self.config.fp8_block)
         return array.astype(np.float32)
+
+    def check_quantised(self, names: list[str]) -> None:
+        """The scales among `names` are finite (FP8 block scales, INT4 group scales: a NaN or inf scale turns its
+        whole block or group into NaN) and each INT4 `weight_shape` says the shape its codes have; a one-line
+        K2Error naming the tensor."""
+        for name in names:
+            if name.endswith(("_scale_inv", ".weight_scale")) and not np.isfinite(self.raw(name)).all():
+                raise K2Error(f"{self.root}: {name} holds a non-finite scale (NaN or inf); the checkpoint is damaged")
+            if name.endswith(".weight_shape"):
+                rows, words = self.entries[name.removesuffix("_shape") + "_packed"].shape
+                stated = [int(v) for v in self.raw(name)]
+                if stated != [rows, words * 8]:
+                    raise K2Error(f"{self.root}: {name} says {stated}, but its weight_packed holds [{rows}, "
+                                  f"{words * 8}] values; the checkpoint is damaged")
 
     def layer_names(self, layer: int) -> list[str]:
         return [spec.name for spec in layout.layer_tensors(self.config, layer)]

@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 import ml_dtypes
 import numpy as np
 
+from .. import int4
 from ..config import ModelConfig
 from ..errors import K2Error
 from ..placement import format_bytes
@@ -44,6 +45,7 @@ def _fp8_code_table() -> np.ndarray:
 
 FP8_CODES = _fp8_code_table()
 FP8_STD = float(FP8_CODES.view(ml_dtypes.float8_e4m3fn).astype(np.float32).std())
+INT4_STD = 2.5  # INT4 codes drawn from a normal law of this spread, rounded and clipped to -8..7
 
 
 def _rng(seed: int, name: str) -> np.random.Generator:
@@ -71,10 +73,22 @@ def tensor_chunks(spec: TensorSpec, weight_shapes: dict[str, tuple[int, ...]], s
             raw = np.frombuffer(rng.bytes(min(step, rows - lo) * cols), dtype=np.uint8)
             yield FP8_CODES[raw].view(dtype)
         return
-    if spec.role == "scale":
-        in_features = weight_shapes[spec.name.removesuffix("_scale_inv")][1]
+    if spec.role in ("scale", "int4_scale"):
+        weight = spec.name.removesuffix("_scale_inv").removesuffix("_scale")
+        in_features = weight_shapes[weight][1]
         spread = rng.uniform(0.5, 1.5, size=spec.shape)  # per-block scales differ, as in a real checkpoint
-        yield (spread * _weight_std(spec.name.removesuffix("_scale_inv"), in_features) / FP8_STD).astype(np.float32)
+        code_std = FP8_STD if spec.role == "scale" else INT4_STD
+        yield (spread * _weight_std(weight, in_features) / code_std).astype(dtype)
+        return
+    if spec.role == "int4":
+        rows, words = spec.shape
+        step = _rows_per_chunk(words * 4)
+        for lo in range(0, rows, step):
+            codes = np.clip(np.rint(rng.standard_normal((min(step, rows - lo), words * 8)) * INT4_STD), -8, 7)
+            yield int4.pack(codes.astype(np.int8))
+        return
+    if spec.role == "int4_shape":
+        yield np.array(weight_shapes[spec.name.removesuffix("_shape")], dtype=dtype)
         return
     if spec.role == "norm":
         yield (1.0 + 0.1 * rng.standard_normal(spec.shape)).astype(dtype)
@@ -94,6 +108,13 @@ def tensor_chunks(spec: TensorSpec, weight_shapes: dict[str, tuple[int, ...]], s
         chunk = rng.standard_normal((min(step, rows - lo), *spec.shape[1:]), dtype=np.float32)
         chunk *= std
         yield chunk.astype(dtype)
+
+
+def weight_shapes_of(specs: list[TensorSpec]) -> dict[str, tuple[int, int]]:
+    """Every projection's `*.weight` name -> its [out, in], INT4 ones from their packed words."""
+    shapes = {s.name: s.shape for s in specs if s.role == "proj"}
+    shapes.update({s.name.removesuffix("_packed"): (s.shape[0], s.shape[1] * 8) for s in specs if s.role == "int4"})
+    return shapes
 
 
 def plan_shards(specs: list[TensorSpec], shard_bytes: int) -> list[list[TensorSpec]]:
@@ -144,7 +165,7 @@ def write_checkpoint(
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
     try:
-        weight_shapes = {s.name: s.shape for s in specs if s.role == "proj"}
+        weight_shapes = weight_shapes_of(specs)
         shards = plan_shards(specs, shard_bytes)
         weight_map = {}
         for number, shard_specs in enumerate(shards, start=1):
