@@ -95,7 +95,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
     target = args.target or default_target()
     options = exporter.ExportOptions(args.checkpoint, kv_cache=args.kv_cache, layers=_layer_range(args.layers),
-                                     opset=args.opset, target=target)
+                                     opset=args.opset, target=target, weights=args.weights)
     started = time.perf_counter()
     terminal = sys.stderr.isatty()
     with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or not terminal, file=sys.stderr) as bar:
@@ -340,6 +340,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="what to lower the weights for: cpu (int8 blocks for ONNX Runtime's CPU kernels), cuda or "
                              "tensorrt (FP8 as in the checkpoint); default: tensorrt if installed, else cuda if ONNX "
                              "Runtime has its CUDA provider, else cpu")
+    export.add_argument("--weights", choices=["checkpoint", "int4"], default="checkpoint",
+                        help="checkpoint: the routed experts as the checkpoint stores them (an INT4 checkpoint's own "
+                             "4-bit codes are always kept); int4: an FP8 checkpoint's routed experts re-quantised to "
+                             "INT4 groups of 32 (about 0.6 bytes a weight instead of 1; lossy, see the README), for "
+                             "hosts whose memory or bandwidth binds; not for tensorrt (default: checkpoint)")
     export.add_argument("--force", action="store_true", help="discard an existing artifact or unfinished export")
     export.add_argument("--json", action="store_true", help="print a summary as JSON")
     export.set_defaults(func=cmd_export)

@@ -41,7 +41,7 @@ from ..core.targets import default_target, get_target
 from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
-from .passes import Lowering
+from .passes import WEIGHT_CHOICES, Lowering
 from .weight_formats import weight_formats
 from .onnx_graph import TracingError, io_spec, trace, write_graph
 
@@ -59,6 +59,7 @@ class ExportOptions:
     layers: tuple[int, int] | None = None  # [start, stop) of decoder layers; None: the whole model
     opset: int = DEFAULT_OPSET
     target: str = field(default_factory=default_target)  # cpu, cuda or tensorrt: see core/targets.py
+    weights: str = "checkpoint"  # checkpoint: the experts as stored; int4: FP8 experts re-quantised to INT4 (passes.py)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def _meta(shape, dtype=torch.float32) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, target: str):
+def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, target: str,
+               weights: str = "checkpoint"):
     """Traces one graph structure on the meta device: -> (ir.Model, derived initializers)."""
     batch = torch.export.Dim("batch", min=1, max=4096)
     seq = torch.export.Dim("seq", min=1, max=config.max_position_embeddings)
@@ -100,7 +102,7 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, ta
                            ["hidden"], ["logits"], opset)
             return traced, {}
         layer = config.first_k_dense_replace if kind == "moe" else 0
-        module = gm.ExportLayer(config, layer, cache_format, target).eval()
+        module = gm.ExportLayer(config, layer, cache_format, target, weights).eval()
     fmt = CacheFormat.for_config(config, cache_format)
     args = [_meta((b, s, config.hidden_size)), _meta((b, s), torch.int64), _meta((b, n), torch.int64)]
     names = ["hidden", "positions", "page_table"]
@@ -181,7 +183,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     reused = sum(journal.finished(job, out) for job in jobs)
     on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer})
 
-    lowering = Lowering(options.target)
+    lowering = Lowering(options.target, options.weights)
     traces: dict[str, tuple] = {}
     done_bytes = 0
     for job in jobs:
@@ -190,7 +192,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         started = time.perf_counter()
         if job.kind not in traces:
             try:
-                traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target)
+                traces[job.kind] = trace_kind(config, job.kind, options.kv_cache, options.opset, options.target,
+                                              options.weights)
             except TracingError as error:
                 raise K2Error(f"export stopped, nothing written for {job.stem}: {error}") from None
         model, derived = traces[job.kind]
@@ -228,6 +231,11 @@ def _check_weight_format(config: ModelConfig, options: ExportOptions) -> None:
     if config.fp8_block is None and config.int4 is None:
         raise K2Error(f"{options.checkpoint}: export needs FP8 or INT4 weights (a quantization_config); this "
                       f"checkpoint is BF16")
+    if options.weights not in WEIGHT_CHOICES:
+        raise K2Error(f"--weights must be one of {', '.join(WEIGHT_CHOICES)}, got {options.weights!r}")
+    if options.weights == "int4" and config.int4 is None and options.target == "tensorrt":
+        raise K2Error("--weights int4: INT4 experts have no TensorRT plugin in this version; export with --target "
+                      "cuda or cpu")
     if config.int4 is None:
         return
     quantised = [s.name for s in layout.all_tensors(config) if s.role == "int4" and not layout.is_routed_expert(s.name)]
@@ -328,7 +336,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
     missing_io = [stem for stem, entry in described.items() if "inputs" not in entry]
     for stem in missing_io:  # resumed graphs: their structure's signature is the same as a traced one's
         kind = next(j.kind for j in jobs if j.stem == stem)
-        model = trace_kind(config, kind, options.kv_cache, options.opset, options.target)[0]
+        model = trace_kind(config, kind, options.kv_cache, options.opset, options.target, options.weights)[0]
         described[stem].update(inputs=io_spec(model.graph.inputs), outputs=io_spec(model.graph.outputs))
     start, stop = options.layers or (0, config.num_hidden_layers)
     return {
@@ -342,7 +350,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "target": options.target,
         "weights": get_target(options.target).weights,
         "weight_formats": weight_formats([out / GRAPH_DIR / f"{job.stem}.onnx" for job in jobs], config,
-                                         options.target),
+                                         options.target, options.weights),
         "opset": options.opset,
         "custom_ops": {"domain": plugins.DOMAIN, "version": plugins.VERSION,
                        "ops": [f.name for f in plugins.onnx_functions(config)],

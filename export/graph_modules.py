@@ -216,10 +216,10 @@ class ExportMoE(nn.Module):
         self.gate = nn.Module()
         self.gate.register_buffer("weight", torch.empty(e, m, dtype=torch.bfloat16))
         self.gate.register_buffer("e_score_correction_bias", torch.empty(e, dtype=torch.float32))
-        self.int4_accuracy = lowering.int4_accuracy() if c.int4 is not None else None
-        self.int8_block = lowering.experts_block(c) if c.int4 is None else None
-        if self.int4_accuracy is not None:  # the checkpoint's INT4 codes for QMoE (plugins/int4.py)
-            group = c.int4.group
+        group = c.int4.group if c.int4 is not None else lowering.int4_group()
+        self.int4_accuracy = lowering.int4_accuracy() if group else None
+        self.int8_block = lowering.experts_block(c) if not group else None
+        if group:  # 4-bit codes for QMoE (plugins/int4.py): the checkpoint's, or FP8 re-quantised
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
                 self.register_buffer(f"experts_{fc}_codes", torch.empty(e, rows, cols // 2, dtype=torch.uint8))
                 self.register_buffer(f"experts_{fc}_scales", torch.empty(e, rows, cols // group))
@@ -260,9 +260,10 @@ class ExportMoE(nn.Module):
         return out.view(shape)
 
 
-def export_faces(config: ModelConfig, cache_format: str, target: str) -> model.Faces:
-    """The layer's faces for a target and cache format: BF16 norms as in the checkpoint."""
-    lowering = Lowering(target)
+def export_faces(config: ModelConfig, cache_format: str, target: str, weights: str = "checkpoint") -> model.Faces:
+    """The layer's faces for a target, cache format and experts' weights (export/passes.py WEIGHT_CHOICES): BF16
+    norms as in the checkpoint."""
+    lowering = Lowering(target, weights)
     kv_b, attention = ATTENTION_FACES[mla.CACHE_ATTENTION[cache_format]]
     return model.Faces(attention, lowered_linear(lowering, config), kv_b, lambda c: ExportMoE(c, lowering),
                        torch.bfloat16)
@@ -271,10 +272,10 @@ def export_faces(config: ModelConfig, cache_format: str, target: str) -> model.F
 class ExportLayer(model.Block):
     """The decoder layer as traced: `model.Block` of the target's faces, with the cache I/O in its stored format."""
 
-    def __init__(self, config: ModelConfig, layer: int, cache_format: str, target: str):
+    def __init__(self, config: ModelConfig, layer: int, cache_format: str, target: str, weights: str = "checkpoint"):
         if config.fp8_block is None and config.int4 is None:
             raise ValueError("export needs an FP8 or INT4 checkpoint (a quantization_config)")
-        super().__init__(config, layer, export_faces(config, cache_format, target))
+        super().__init__(config, layer, export_faces(config, cache_format, target, weights))
         self.config, self.cache = config, CacheFormat.for_config(config, cache_format)
         if CACHE_TORCH_DTYPES[cache_format] == torch.float8_e4m3fn:
             self.register_buffer("e4m3_values", torch.empty(256))

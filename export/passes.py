@@ -13,6 +13,8 @@ Passes:
   dim for ONNX Runtime's int8 kernels (plugins/int8.py), re-quantised from the checkpoint's FP8 / BF16 bytes.
 - tensorrt_plugins (tensorrt): the TensorRT copy of every graph, `<stem>.tensorrt.onnx`
   (export/tensorrt_graph.py), which `k2deploy build-engines` parses.
+- int4_experts (any target but tensorrt, asked by `export --weights int4`): an FP8 checkpoint's routed experts
+  re-quantised to INT4 groups for ONNX Runtime's 4-bit QMoE; it runs before the target's passes.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..core import int4
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..core.manifest import file_record
@@ -42,7 +45,11 @@ class Pass:
         return None
 
     def int4_accuracy(self) -> int | None:
-        """QMoE's accuracy_level for an INT4 checkpoint's experts (plugins/int4.py); None: the exact one."""
+        """QMoE's accuracy_level for 4-bit experts (plugins/int4.py); None: the exact one."""
+        return None
+
+    def int4_group(self) -> int | None:
+        """The group an FP8 checkpoint's experts are re-quantised to INT4 in; None: they are not."""
         return None
 
     def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None,
@@ -142,15 +149,46 @@ class TensorrtPlugins(Pass):
         return {copy.name: file_record(directory, copy.name)}
 
 
-PASSES = {p.name: p for p in (Int8Weights(), TensorrtPlugins())}
+# -- int4_experts (export --weights int4) ------------------------------------------------------------------
+
+INT4_GROUP = 32  # Kimi-K2-Thinking's group
+WEIGHT_CHOICES = ("checkpoint", "int4")  # export --weights: the experts as stored, or FP8 ones re-quantised to INT4
+
+
+class Int4Experts(Pass):
+    """An FP8 checkpoint's routed experts re-quantised to INT4 in groups of INT4_GROUP (core/int4.py `quantize`:
+    symmetric, BF16 scales, as Kimi-K2-Thinking stores them), gate and up interleaved for QMoE, for hosts whose
+    memory or bandwidth binds. Lossy; its error is measured in benchmarks/int4_experts.py and stated in the README.
+    An INT4 checkpoint's own codes are copied, never re-quantised (export/graph_modules.py)."""
+
+    name = "int4_experts"
+
+    def int4_group(self) -> int | None:
+        return INT4_GROUP
+
+    def pieces(self, config, checkpoint, kind, layer, name):
+        if config.int4 is not None or not name.startswith("mlp.experts_fc"):
+            return None
+        fc, part = name.removeprefix("mlp.experts_").split("_")
+        return (_int4_part(_expert_fc(config, checkpoint, f"model.layers.{layer}.mlp.experts.{e}.", fc),
+                           part == "scales") for e in range(config.n_routed_experts))
+
+
+def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
+    packed, scale = int4.quantize(weight, INT4_GROUP)
+    return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
+
+
+PASSES = {p.name: p for p in (Int8Weights(), TensorrtPlugins(), Int4Experts())}
 
 
 class Lowering:
-    """A target's passes, in their order, asked as one: the first pass that lowers a module or gives an
-    initializer's bytes decides; every pass's graph files are written."""
+    """A target's passes, in their order, after the one `weights` asks for (WEIGHT_CHOICES), asked as one: the
+    first pass that lowers a module or gives an initializer's bytes decides; every pass's graph files are written."""
 
-    def __init__(self, target: str):
-        self.passes = [PASSES[name] for name in get_target(target).passes]
+    def __init__(self, target: str, weights: str = "checkpoint"):
+        chosen = ("int4_experts",) if weights == "int4" else ()
+        self.passes = [PASSES[name] for name in (*chosen, *get_target(target).passes)]
 
     def linear(self, in_features: int, out_features: int) -> nn.Module | None:
         return next((m for p in self.passes if (m := p.linear(in_features, out_features)) is not None), None)
@@ -160,6 +198,9 @@ class Lowering:
 
     def int4_accuracy(self) -> int:
         return next((a for p in self.passes if (a := p.int4_accuracy()) is not None), EXACT)
+
+    def int4_group(self) -> int | None:
+        return next((g for p in self.passes if (g := p.int4_group()) is not None), None)
 
     def pieces(self, config, checkpoint, kind, layer, name) -> Iterable[np.ndarray] | None:
         return next((x for p in self.passes if (x := p.pieces(config, checkpoint, kind, layer, name)) is not None),

@@ -13,20 +13,23 @@ import onnx
 
 from ..core.config import ModelConfig
 from ..core.targets import get_target
+from .passes import INT4_GROUP
 
 EXPERTS, LINEARS, HEAD, EMBEDDING, OTHER = "routed experts", "linears", "head", "embedding", "norms, router, tables"
 _INT8 = "int8 blocks (re-quantised)"
 
 
-def group_formats(config: ModelConfig, target: str) -> dict[str, str]:
+def group_formats(config: ModelConfig, target: str, weights: str = "checkpoint") -> dict[str, str]:
     """Each group's storage, in a few words."""
     int8 = "int8_weights" in get_target(target).passes
     if config.int4 is not None:
         experts = f"int4, the checkpoint's codes (groups of {config.int4.group}, float32 scales)"
         checkpoint_linears = "bf16"
     else:
-        experts = _INT8 if int8 else "fp8 e4m3, 128x128 blocks"
         checkpoint_linears = "fp8 e4m3, 128x128 blocks"
+        experts = _INT8 if int8 else checkpoint_linears
+        if weights == "int4":
+            experts = f"int4 re-quantised from fp8 (groups of {INT4_GROUP}, float32 scales)"
     return {EXPERTS: experts, LINEARS: _INT8 if int8 else checkpoint_linears, HEAD: _INT8 if int8 else "bf16",
             EMBEDDING: "bf16", OTHER: "bf16 / float32"}
 
@@ -48,9 +51,9 @@ def _initializer_bytes(tensor: onnx.TensorProto) -> int:
     return len(tensor.raw_data)
 
 
-def weight_formats(graphs: list[Path], config: ModelConfig, target: str) -> dict[str, dict]:
+def weight_formats(graphs: list[Path], config: ModelConfig, target: str, weights: str = "checkpoint") -> dict[str, dict]:
     """{group: {"format": ..., "bytes": ...}} over the graphs (each `<stem>.onnx`), read without their data."""
-    formats = group_formats(config, target)
+    formats = group_formats(config, target, weights)
     totals = dict.fromkeys(formats, 0)
     for path in graphs:
         for tensor in onnx.load(str(path), load_external_data=False).graph.initializer:

@@ -211,3 +211,23 @@ def test_make_checkpoint_writes_every_preset_in_int4(tmp_path):
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["format"] == "int4"
     assert Checkpoint.open(tmp_path / "small").config.weight_format == "int4"
+
+
+def test_export_weights_int4_requantises_an_fp8_checkpoints_experts(tiny_checkpoint, tiny_reference, tmp_path):
+    """FP8 experts to INT4 groups of 32 (lossy: random tiny weights are not trained for 4 bits): every value within
+    half a step of its FP8 one; the exact graph (BF16 cache) against the FP8 reference, measured on 64 teacher-forced
+    steps: argmax agreement 0.75, mean |dlogit| 0.27 (the same graph with the FP8 experts: 1.0 / 0.003)."""
+    export_artifact(ExportOptions(str(tiny_checkpoint), target="cuda", kv_cache="bf16", weights="int4"),
+                    tmp_path / "int4")
+    manifest = json.loads((tmp_path / "int4" / "manifest.json").read_text())
+    assert manifest["weight_formats"]["routed experts"]["format"].startswith("int4 re-quantised")
+    generator = Generator(OrtModel(load_manifest(tmp_path / "int4")))
+    codes = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_codes")
+    scales = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_scales")
+    fp8_down = Checkpoint.open(tiny_checkpoint).float32(EXPERT.format(5, "down_proj.weight"))
+    words = np.ascontiguousarray(codes[5]).view("<i4")
+    requantised = int4.dequantize(words, scales[5], 32)
+    assert np.abs(requantised - fp8_down).max() <= np.abs(fp8_down).max() / 7 / 2 * 1.01  # half a step at most
+    with torch.no_grad():
+        result = parity.teacher_forced(tiny_reference, generator, PROMPT, 64)
+    assert 0.5 <= result["argmax_agreement"] and result["mean_abs_logit_error"] < 0.5
