@@ -49,8 +49,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="latent cache format (default: the artifact's, else fp8)")
     parser.add_argument("--placement", metavar="TEXT",
                         help="layer ranges per device instead of the balanced one, e.g. 0:31@cuda:0,31:61@cuda:1; "
-                             "hN/cuda:M puts a device on host N; every device is one of --devices (for cpu give its "
-                             "memory and bandwidth: --devices 1x512GB@0.2TB/s --placement 0:61@cpu)")
+                             "hN/cuda:M puts a device on host N; every device is one of --devices (a CPU host "
+                             "places on cpu by itself: --devices 1xCPU:512GB@0.2TB/s; hN/cpu for host N)")
     parser.add_argument("--parallel", choices=["pp", "ep"], default="pp",
                         help="pp: layer ranges on pipeline stages (default); ep: routed experts sharded over all "
                              "devices, everything else on each, printed beside pp")
