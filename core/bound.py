@@ -10,53 +10,55 @@ value plus their float32 128x128 block scales, BF16 norms, router, embedding and
   head        final norm and the whole lm_head (every vocabulary row is read)
   cache       batch x context x (cache bytes per token per layer) x layers
 
+Weights in another format (`plan --weights int8|int4`, core/held_weights.py) are read at their
+held sizes; the embedding rows stay BF16 in every format.
+
 Routed experts read at batch 1: exactly k of e. At batch b the rows choose independently, so
 the distinct experts read are expected to be e x (1 - (1 - k/e)^b) (uniform routing assumed;
-at most e). The bound counts each byte read once per step and nothing written: a lower bound
-on the step time no implementation can beat on this memory system.
+at most e); of a shard of s of the e experts (one device under expert parallelism), each expert
+is chosen by a row with probability k/e, so s x (1 - (1 - k/e)^b) of them. The bound counts
+each byte read once per step and nothing written: a lower bound on the step time no
+implementation can beat on this memory system.
 """
 
 from __future__ import annotations
 
 from .checkpoint import layout
 from .config import ModelConfig
+from .held_weights import DTYPE_BYTES, ModelBytes
 
-DTYPE_BYTES = {layout.FP8: 1, layout.BF16: 2, layout.F32: 4, layout.I32: 4, layout.I64: 8}
 
-
-def tensor_bytes(spec: layout.TensorSpec) -> int:
-    return spec.numel * DTYPE_BYTES[spec.dtype]
+def expected_shard_experts(config: ModelConfig, batch: int, shard: int) -> float:
+    """Distinct experts of a shard of `shard` routed experts that `batch` rows choose: shard x (1 - (1 - k/e)^batch)."""
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    return min(float(shard), shard * (1 - (1 - k / e) ** max(batch, 1)))
 
 
 def expected_experts(config: ModelConfig, batch: int) -> float:
-    e, k = config.n_routed_experts, config.num_experts_per_tok
+    """Distinct routed experts `batch` rows choose in one layer: exactly k at batch 1, e x (1 - (1 - k/e)^batch)."""
     if batch <= 1:
-        return float(k)
-    return min(float(e), e * (1 - (1 - k / e) ** batch))
+        return float(config.num_experts_per_tok)
+    return expected_shard_experts(config, batch, config.n_routed_experts)
 
 
-def layer_read_bytes(config: ModelConfig, layer: int, batch: int = 1) -> float:
-    """Weight bytes one decode step reads in one decoder layer."""
-    specs = layout.layer_tensors(config, layer)
-    fixed = sum(tensor_bytes(s) for s in specs if not layout.is_routed_expert(s.name))
-    if not config.is_moe_layer(layer):
-        return float(fixed)
-    per_expert = sum(tensor_bytes(s) for s in layout.mlp(config, f"model.layers.{layer}.mlp.experts.0",
-                                                          config.moe_intermediate_size))
-    return fixed + expected_experts(config, batch) * per_expert
+def layer_read_bytes(config: ModelConfig, layer: int, batch: int = 1, held: ModelBytes | None = None) -> float:
+    """Weight bytes one decode step reads in one decoder layer (`held`: the weights' format, default as stored)."""
+    sizes = (held or ModelBytes.of(config)).layers[layer]
+    return sizes.fixed + (expected_experts(config, batch) * sizes.expert if sizes.experts else 0)
 
 
-def decode_step_bytes(config: ModelConfig, cache_bytes_per_token_per_layer: int, batch: int, context: float) -> dict:
+def decode_step_bytes(config: ModelConfig, cache_bytes_per_token_per_layer: int, batch: int, context: float,
+                      held: ModelBytes | None = None) -> dict:
     """{embedding, layers: [...], head, weights, cache, total} bytes read by one decode step."""
+    held = held or ModelBytes.of(config)
     embedding = batch * config.hidden_size * DTYPE_BYTES[layout.BF16]
-    layers = [layer_read_bytes(config, i, batch) for i in range(config.num_hidden_layers)]
-    head = sum(tensor_bytes(s) for s in layout.head_tensors(config))
-    weights = embedding + sum(layers) + head
+    layers = [layer_read_bytes(config, i, batch, held) for i in range(config.num_hidden_layers)]
+    weights = embedding + sum(layers) + held.head
     cache = batch * context * cache_bytes_per_token_per_layer * config.num_hidden_layers
-    return {"embedding": embedding, "layers": layers, "head": head, "weights": weights, "cache": cache,
+    return {"embedding": embedding, "layers": layers, "head": held.head, "weights": weights, "cache": cache,
             "total": weights + cache, "experts_per_moe_layer": expected_experts(config, batch)}
 
 
 def resident_weight_bytes(config: ModelConfig) -> int:
     """Every weight byte of the model in the checkpoint's formats (what the artifact's .data files hold)."""
-    return sum(tensor_bytes(s) for s in layout.all_tensors(config))
+    return ModelBytes.of(config).total

@@ -48,28 +48,57 @@ class DeviceKind:
     name: str
     memory_bytes: int  # as the vendor states it, decimal
     bandwidth_bytes_per_s: float  # peak memory bandwidth, as the vendor states it
+    link_bytes_per_s: float | None = None  # device to device in one host, one direction (None: not known)
+    cpu: bool = False  # a CPU host: its RAM and memory bandwidth; weights default to the cpu target's int8
 
     @property
     def usable_bytes(self) -> int:
         """What a plan may fill: USABLE_FRACTION of the memory."""
         return int(self.memory_bytes * USABLE_FRACTION)
 
+    @property
+    def default_weights(self) -> str:
+        """The --weights format a plan assumes: what the cpu target lowers to on a CPU host, else as stored."""
+        return "int8" if self.cpu else "stored"
+
 
 GB = 10**9
 TB = 10**12
 
+# link: the vendor's device-to-device bandwidth inside one host, halved to one direction
 DEVICES = {
-    "H200": DeviceKind("H200", 141 * GB, 4.8 * TB),  # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s
-    "H100": DeviceKind("H100", 80 * GB, 3.35 * TB),  # NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s
-    "B200": DeviceKind("B200", 180 * GB, 8.0 * TB),  # NVIDIA HGX B200: 180 GB HBM3e, 8 TB/s per GPU
-    "A100": DeviceKind("A100", 80 * GB, 2.039 * TB),  # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s
-    "MI300X": DeviceKind("MI300X", 192 * GB, 5.3 * TB),  # AMD Instinct MI300X: 192 GB HBM3, 5.3 TB/s
-    "L40S": DeviceKind("L40S", 48 * GB, 0.864 * TB),  # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s
+    # NVIDIA H200 datasheet: 141 GB HBM3e, 4.8 TB/s; NVLink 900 GB/s
+    "H200": DeviceKind("H200", 141 * GB, 4.8 * TB, 450 * GB),
+    # NVIDIA H100 SXM datasheet: 80 GB HBM3, 3.35 TB/s; NVLink 900 GB/s
+    "H100": DeviceKind("H100", 80 * GB, 3.35 * TB, 450 * GB),
+    # NVIDIA HGX B200: 180 GB HBM3e, 8 TB/s per GPU; NVLink 1.8 TB/s
+    "B200": DeviceKind("B200", 180 * GB, 8.0 * TB, 900 * GB),
+    # NVIDIA A100 80GB SXM datasheet: 2,039 GB/s; NVLink 600 GB/s
+    "A100": DeviceKind("A100", 80 * GB, 2.039 * TB, 300 * GB),
+    # AMD Instinct MI300X: 192 GB HBM3, 5.3 TB/s; Infinity Fabric 896 GB/s (7 links of 128 GB/s)
+    "MI300X": DeviceKind("MI300X", 192 * GB, 5.3 * TB, 448 * GB),
+    # NVIDIA L40S datasheet: 48 GB GDDR6, 864 GB/s; no NVLink: PCIe Gen4 x16, 64 GB/s
+    "L40S": DeviceKind("L40S", 48 * GB, 0.864 * TB, 32 * GB),
 }
 
 _ITEM = re.compile(r"^(\d+):(\d+)@(?:h(\d+)/)?(cpu|cuda:\d+)$")
 _DEVICES = re.compile(r"^(\d+)x(.+)$", re.IGNORECASE)
-_CUSTOM = re.compile(r"^(\d+(?:\.\d+)?)(GB|TB)@(\d+(?:\.\d+)?)(GB|TB)/s$", re.IGNORECASE)
+_SIZE = r"(\d+(?:\.\d+)?)(GB|TB)"
+_CUSTOM = re.compile(rf"^{_SIZE}@{_SIZE}/s$", re.IGNORECASE)
+_CPU = re.compile(rf"^CPU(?::{_SIZE})?(?:@{_SIZE}/s)?$", re.IGNORECASE)
+_BANDWIDTH = re.compile(rf"^{_SIZE}/s$", re.IGNORECASE)
+
+
+def _decimal(number: str, unit: str) -> float:
+    return float(number) * (TB if unit.upper() == "TB" else GB)
+
+
+def parse_bandwidth(text: str, option: str) -> float:
+    """`450GB/s` or `0.4TB/s` -> bytes per second (decimal units); a K2Error naming `option` otherwise."""
+    match = _BANDWIDTH.match(text.strip())
+    if not match or _decimal(match[1], match[2]) <= 0:
+        raise K2Error(f"{option} {text}: expected a bandwidth such as 450GB/s or 0.4TB/s")
+    return _decimal(match[1], match[2])
 
 
 def format_bytes(count: float) -> str:
@@ -124,20 +153,28 @@ def format_placement(stages: list[Stage]) -> str:
 
 
 def parse_devices(text: str) -> tuple[DeviceKind, int]:
-    """`16xH200` -> (H200, 16); a kind is a catalogue name (any case) or MEMORY@BANDWIDTH, e.g. 512GB@0.2TB/s."""
+    """`16xH200` -> (H200, 16); a kind is a catalogue name (any case), MEMORY@BANDWIDTH (e.g. 512GB@0.2TB/s), or
+    a CPU host CPU:MEMORY@BANDWIDTH (e.g. CPU:768GB@0.3TB/s: its RAM and memory bandwidth; both required, since
+    plan does not measure this host: a bandwidth measured on a shared machine is no figure to plan by)."""
     match = _DEVICES.match(text.strip())
     kind = None
     if match:
         name = match[2]
         kind = next((k for key, k in DEVICES.items() if key.lower() == name.lower()), None)
-        custom = _CUSTOM.match(name)
+        custom, cpu = _CUSTOM.match(name), _CPU.match(name)
         if custom:
-            memory = float(custom[1]) * (TB if custom[2].upper() == "TB" else GB)
-            bandwidth = float(custom[3]) * (TB if custom[4].upper() == "TB" else GB)
-            kind = DeviceKind(name, int(memory), bandwidth)
+            kind = DeviceKind(name, int(_decimal(custom[1], custom[2])), _decimal(custom[3], custom[4]))
+        if cpu:
+            if cpu[1] is None or cpu[3] is None:
+                raise K2Error(f"--devices {text}: give the CPU host's memory and its memory bandwidth, e.g. "
+                              f"1xCPU:768GB@0.3TB/s (plan does not measure them: a bandwidth measured on a busy "
+                              f"host is not reliable; STREAM triad, or channels x MT/s x 8 bytes from the "
+                              f"platform's specification)")
+            kind = DeviceKind(name, int(_decimal(cpu[1], cpu[2])), _decimal(cpu[3], cpu[4]), cpu=True)
     if kind is None or int(match[1]) < 1 or kind.memory_bytes <= 0 or kind.bandwidth_bytes_per_s <= 0:
-        raise K2Error(f"--devices {text}: expected COUNTxKIND with KIND one of {', '.join(DEVICES)} or "
-                      f"MEMORY@BANDWIDTH (e.g. 16xH200, 1x512GB@0.2TB/s)")
+        raise K2Error(f"--devices {text}: expected COUNTxKIND with KIND one of {', '.join(DEVICES)}, "
+                      f"MEMORY@BANDWIDTH or CPU:MEMORY@BANDWIDTH (e.g. 16xH200, 1x512GB@0.2TB/s, "
+                      f"1xCPU:768GB@0.3TB/s)")
     return kind, int(match[1])
 
 
@@ -155,11 +192,12 @@ def devices_needed(sizes: list[int], capacity: int) -> int | None:
 
 
 def auto_placement(layer_bytes: list[int], first_extra: int, last_extra: int, count: int, hosts: int,
-                   capacity: int) -> list[Stage]:
+                   capacity: int, cpu: bool = False) -> list[Stage]:
     """`count` contiguous stages, one per device, that balance their bytes: the largest stage as small as it
     can be, then the stages as even as they can be under it (least sum of squares). layer_bytes[i] is all
     layer i puts on its device (weights and its cache); the first stage adds first_extra, the last last_extra;
-    `capacity` is what one device may hold. Devices 0..count/hosts-1 are cuda:0.. of host 0, and so on."""
+    `capacity` is what one device may hold. Devices 0..count/hosts-1 are cuda:0.. of host 0, and so on (`cpu`:
+    each device is a host's cpu)."""
     n = len(layer_bytes)
     if count < 1 or hosts < 1 or count % hosts:
         raise K2Error(f"--hosts {hosts}: {count} devices do not split evenly over {hosts} hosts")
@@ -181,7 +219,7 @@ def auto_placement(layer_bytes: list[int], first_extra: int, last_extra: int, co
                       f"for them; with whole layers on each it takes at least {needed} such devices")
     bounds = _balanced_bounds(sizes, count)
     per_host = count // hosts
-    return [Stage(a, b, f"cuda:{i % per_host}", i // per_host, a == 0, b == n)
+    return [Stage(a, b, "cpu" if cpu else f"cuda:{i % per_host}", i // per_host, a == 0, b == n)
             for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
 
 

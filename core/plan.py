@@ -2,9 +2,10 @@
 decode can be at best, all by formula from the config (no weights are read).
 
 Per device (one pipeline stage):
-  weights      its layers' tensors as the checkpoint stores them (checkpoint.layout: FP8 projections at one
-               byte per value plus float32 128x128 block scales, BF16 norms and router, float32 correction
-               bias), plus the embedding on the first stage and the final norm and lm_head on the last
+  weights      its layers' tensors in the --weights format (core/held_weights.py; `stored`, the default but on CPU
+               hosts, is as the checkpoint stores them: FP8 projections at one byte per value plus float32
+               128x128 block scales, BF16 norms and router, float32 correction bias), plus the embedding on the
+               first stage and the final norm and lm_head on the last
   cache        batch x context x its layers x the cache format's bytes per token per layer
   activations  batch x PREFILL_CHUNK x 4 bytes (float32) x (LIVE_HIDDEN_BUFFERS x hidden + the widest per-token
                intermediate of the model), plus batch x vocab float32 logits on the last stage. The widest
@@ -35,9 +36,9 @@ from dataclasses import dataclass
 
 from . import bound
 from .cache_format import CacheFormat
-from .checkpoint import layout
 from .config import ModelConfig
 from .errors import K2Error
+from .held_weights import ModelBytes
 from .sizes import PREFILL_CHUNK, attention_workspace_bytes
 from .placement import (USABLE_FRACTION, DeviceKind, Stage, auto_placement, check_fits, devices_needed,
                         format_bytes, format_placement, parse_devices, parse_placement)
@@ -63,14 +64,10 @@ def activation_bytes(config: ModelConfig, batch: int, last: bool) -> int:
     return hidden + attention_workspace_bytes() + (batch * config.vocab_size * FLOAT32 if last else 0)
 
 
-def _tensors_bytes(specs: list[layout.TensorSpec]) -> int:
-    return sum(bound.tensor_bytes(s) for s in specs)
-
-
 @dataclass(frozen=True)
 class Footprint:
     """What the model puts on its devices at one batch size, in bytes."""
-    layer_weights: list[int]  # per decoder layer, as the checkpoint stores them
+    layer_weights: list[int]  # per decoder layer, in the plan's weights format
     embedding: int  # weights of the first stage's embedding
     head: int  # weights of the last stage's final norm and lm_head
     cache_per_token: int  # one token in one layer's cache (the format's bytes_per_token_per_layer)
@@ -79,10 +76,9 @@ class Footprint:
     logits: int  # the last stage's logits on top
 
     @classmethod
-    def of(cls, config: ModelConfig, batch: int, cache_format: str) -> Footprint:
+    def of(cls, config: ModelConfig, batch: int, cache_format: str, held: ModelBytes) -> Footprint:
         base = activation_bytes(config, batch, last=False)
-        return cls([_tensors_bytes(layout.layer_tensors(config, i)) for i in range(config.num_hidden_layers)],
-                   _tensors_bytes(layout.embedding_tensors(config)), _tensors_bytes(layout.head_tensors(config)),
+        return cls([layer.total for layer in held.layers], held.embedding, held.head,
                    CacheFormat.for_config(config, cache_format).bytes_per_token_per_layer, batch, base,
                    activation_bytes(config, batch, last=True) - base)
 
@@ -94,10 +90,10 @@ class Footprint:
         """Each layer's weights and cache at `context` tokens."""
         return [w + self.cache_bytes(context, 1) for w in self.layer_weights]
 
-    def place(self, context: int, count: int, hosts: int, capacity: int) -> list[Stage]:
-        """The balanced placement on `count` devices that each hold `capacity` bytes."""
+    def place(self, context: int, count: int, hosts: int, capacity: int, cpu: bool = False) -> list[Stage]:
+        """The balanced placement on `count` devices (CPU hosts where `cpu`) that each hold `capacity` bytes."""
         return auto_placement(self.layer_bytes(context), self.embedding, self.head + self.logits, count, hosts,
-                              capacity - self.activations)
+                              capacity - self.activations, cpu)
 
     def largest_context(self, below: int, count: int, capacity: int) -> int | None:
         """The longest context under `below` at which some placement on `count` devices fits, None if none does."""
@@ -115,10 +111,10 @@ class Footprint:
         return low if low and fits(low) else None
 
 
-def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | None = None, batch: int = 1,
-         cache_format: str = "fp8", placement: str | None = None) -> dict:
-    """The plan as a JSON-ready dict (see the module doc); context None: the model's max_position_embeddings.
-    A K2Error when the arguments are wrong or the model does not fit, saying what would."""
+def check_workload(config: ModelConfig, devices_text: str, hosts: int, context: int | None,
+                   batch: int) -> tuple[DeviceKind, int, int]:
+    """(device kind, device count, context) from a plan's arguments; context None: the model's
+    max_position_embeddings. A K2Error naming the first argument out of range."""
     context = config.max_position_embeddings if context is None else context
     if batch < 1:
         raise K2Error(f"--batch must be at least 1, got {batch}")
@@ -130,7 +126,17 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
     if count % hosts:
         raise K2Error(f"--devices {devices_text} --hosts {hosts}: {count} devices do not split evenly over "
                       f"{hosts} hosts")
-    footprint = Footprint.of(config, batch, cache_format)
+    return kind, count, context
+
+
+def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | None = None, batch: int = 1,
+         cache_format: str = "fp8", placement: str | None = None, weights: str | None = None) -> dict:
+    """The plan as a JSON-ready dict (see the module doc); context None: the model's max_position_embeddings;
+    weights None: the device kind's default (int8 on a CPU host, else as stored).
+    A K2Error when the arguments are wrong or the model does not fit, saying what would."""
+    kind, count, context = check_workload(config, devices_text, hosts, context, batch)
+    held = ModelBytes.of(config, weights or kind.default_weights, cache_format)
+    footprint = Footprint.of(config, batch, cache_format, held)
     capacity = kind.usable_bytes
 
     def shorter_context() -> str:
@@ -139,7 +145,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
 
     if placement is None:
         try:
-            stages = footprint.place(context, count, hosts, capacity)
+            stages = footprint.place(context, count, hosts, capacity, kind.cpu)
         except K2Error as exc:
             raise K2Error(f"--devices {devices_text}: {exc}{shorter_context()}") from None
     else:
@@ -147,7 +153,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
         _check_devices(stages, placement, devices_text, kind, count, hosts)
 
     rows = []
-    step = bound.decode_step_bytes(config, footprint.cache_per_token, batch, context)
+    step = bound.decode_step_bytes(config, footprint.cache_per_token, batch, context, held)
     for index, s in enumerate(stages):
         weights = sum(footprint.layer_weights[s.start:s.stop]) + footprint.embedding * s.first + footprint.head * s.last
         cache = footprint.cache_bytes(context, s.layers)
@@ -163,7 +169,8 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
             check_fits(stages, [r["total_bytes"] for r in rows], capacity)
         except K2Error as exc:
             try:
-                hint = f"; --placement {format_placement(footprint.place(context, count, hosts, capacity))} fits"
+                fitting = footprint.place(context, count, hosts, capacity, kind.cpu)
+                hint = f"; --placement {format_placement(fitting)} fits"
             except K2Error as no_fit:
                 hint = f"; no placement on these devices fits: {no_fit}{shorter_context()}"
             raise K2Error(f"{exc}{hint}") from None
@@ -174,6 +181,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
                   for a, b in zip(stages, stages[1:])]
     stage_ms = [r["decode_ms"] for r in rows]
     return {
+        "parallel": "pp",
         "model": {"model_type": config.model_type, "layers": config.num_hidden_layers,
                   "hidden_size": config.hidden_size},
         "devices": {"kind": kind.name, "count": count, "hosts": hosts, "memory_bytes": kind.memory_bytes,
@@ -182,6 +190,7 @@ def plan(config: ModelConfig, devices_text: str, hosts: int = 1, context: int | 
         "batch": batch,
         "context": context,
         "kv_cache": {"format": cache_format, "bytes_per_token_per_layer": footprint.cache_per_token},
+        "weights": {"format": held.weights, "bytes": held.total},
         "activation_estimate": {"prefill_chunk": PREFILL_CHUNK, "live_hidden_buffers": LIVE_HIDDEN_BUFFERS,
                                 "attention_workspace_bytes": attention_workspace_bytes(),
                                 "widest_intermediate": widest_intermediate(config), "logits_bytes": footprint.logits},
@@ -209,6 +218,9 @@ def _check_devices(stages: list[Stage], text: str, devices_text: str, kind: Devi
     if len(stages) > count:
         raise K2Error(f"--placement {text}: {len(stages)} stages, but --devices {devices_text} has {count} devices")
     for s in stages:
+        if kind.cpu and s.device != "cpu":
+            raise K2Error(f"--placement {text}: {s.name} is a GPU, but --devices {devices_text} are CPU hosts; "
+                          f"place the layers on cpu (hN/cpu for host N)")
         if s.host >= hosts:
             raise K2Error(f"--placement {text}: {s.name} is on host {s.host}, but --hosts {hosts} gives hosts "
                           f"h0 to h{hosts - 1}")
@@ -225,7 +237,8 @@ def format_plan(info: dict) -> str:
         f"{format_bytes(dev['memory_bytes'])} each, {format_bytes(dev['capacity_bytes'])} usable "
         f"({dev['usable_fraction']:g}), {format_bytes(dev['bandwidth_bytes_per_s'])}/s",
         f"workload    batch {info['batch']}, context {info['context']}, {kv['format']} cache "
-        f"({kv['bytes_per_token_per_layer']} bytes per token per layer), {info['model']['layers']} layers",
+        f"({kv['bytes_per_token_per_layer']} bytes per token per layer), {info['model']['layers']} layers, "
+        f"weights {info['weights']['format']} ({format_bytes(info['weights']['bytes'])})",
         f"placement   {info['placement']['text']}",
         "",
         f"{'stage':>5}  {'device':<11} {'layers':<7} {'weights':>10} {'cache':>10} {'activ.':>10} {'total':>10} "

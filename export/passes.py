@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..core import int4
+from ..core.quant_blocks import INT4_GROUP
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..core.manifest import file_record
@@ -151,7 +152,6 @@ class TensorrtPlugins(Pass):
 
 # -- int4_experts (export --weights int4) ------------------------------------------------------------------
 
-INT4_GROUP = 32  # Kimi-K2-Thinking's group
 WEIGHT_CHOICES = ("checkpoint", "int4")  # export --weights: the experts as stored, or FP8 ones re-quantised to INT4
 
 

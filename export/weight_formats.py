@@ -12,8 +12,8 @@ from pathlib import Path
 import onnx
 
 from ..core.config import ModelConfig
+from ..core.quant_blocks import INT4_GROUP
 from ..core.targets import get_target
-from .passes import INT4_GROUP
 
 EXPERTS, LINEARS, HEAD, EMBEDDING, OTHER = "routed experts", "linears", "head", "embedding", "norms, router, tables"
 _INT8 = "int8 blocks (re-quantised)"

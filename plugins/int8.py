@@ -22,18 +22,13 @@ import torch.nn.functional as F
 from onnx.defs import OpSchema
 from onnxscript.values import Op, Opset
 
+from ..core.quant_blocks import int8_block  # noqa: F401 (export/passes.py and the tests pick blocks by it)
 from .fp8 import E4M3_VALUES
 from .op_spec import BFLOAT16, FLOAT, FLOAT16, INT64, UINT8, OpSpec, tensor
 
 ZERO_POINT = 128  # MatMulNBits' and QMoE's default 8-bit zero point
-BLOCKS = (128, 64, 32, 16)  # int8 block sizes the contrib ops take, largest (fastest) first
 ORT_DOMAIN = "com.microsoft"
 INT8_COMPUTE = 4  # accuracy_level: int8 activations, int8 dot-product kernels
-
-
-def int8_block(*dims: int) -> int | None:
-    """The largest int8 block that divides every dim (QMoE needs whole blocks), or None."""
-    return next((b for b in BLOCKS if all(d % b == 0 for d in dims)), None)
 
 
 # -- re-quantisation (numpy; the exporter streams it into the artifact) ----------------------

@@ -1,10 +1,10 @@
 """k2deploy plan: placements parsed, made and checked; bytes per device against the checkpoint layout; the
 decode bound by hand; the command on a preset, a bare config.json and an artifact's manifest."""
 
-import argparse
 import json
 
 import pytest
+from plan_helpers import nbytes, run_plan
 
 from k2deploy.core.cache_format import CacheFormat
 from k2deploy.core.checkpoint import layout
@@ -13,23 +13,9 @@ from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import FORMAT_VERSION
 from k2deploy.core.placement import (DEVICES, USABLE_FRACTION, auto_placement, check_fits, format_placement,
                                 parse_devices, parse_placement)
-from k2deploy.commands.plan_command import add_plan_parser
 from k2deploy.core.plan import format_plan, plan
 from k2deploy.core.sizes import kv_cache_bytes_per_token
 
-ITEMSIZE = {"F8_E4M3": 1, "BF16": 2, "F32": 4}
-
-
-def nbytes(specs) -> int:
-    return sum(s.numel * ITEMSIZE[s.dtype] for s in specs)
-
-
-def run_plan(*argv: str) -> None:
-    """`k2deploy plan ARGV` through the parser the main CLI registers."""
-    parser = argparse.ArgumentParser(prog="k2deploy")
-    add_plan_parser(parser.add_subparsers())
-    args = parser.parse_args(["plan", *argv])
-    args.func(args)
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +79,9 @@ def test_activations_follow_the_stated_estimate(k2_on_two_hosts):
 
 def test_plan_command_prints_json_and_a_table(capsys, k2_on_two_hosts):
     run_plan("--preset", "k2", "--devices", "16xH200", "--hosts", "2", "--context", "131072", "--batch", "8", "--json")
-    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(k2_on_two_hosts))
+    printed = json.loads(capsys.readouterr().out)
+    assert [r["weights"] for r in printed.pop("weights_compared")] == ["stored", "int8", "int4"]
+    assert printed == json.loads(json.dumps(k2_on_two_hosts))
     run_plan("--preset", "k2", "--devices", "16xH200", "--hosts", "2", "--context", "131072", "--batch", "8")
     table = capsys.readouterr().out
     assert k2_on_two_hosts["placement"]["text"] in table
