@@ -181,7 +181,7 @@ def _int4_expert_pieces(config: ModelConfig, checkpoint: Checkpoint, layer: int,
     suffix = "weight_packed" if part == "codes" else "weight_scale"
 
     def rows(expert: int, proj: str) -> np.ndarray:
-        array = checkpoint.raw(f"{prefix}{expert}.{proj}.{suffix}")
+        array = checkpoint.read(f"{prefix}{expert}.{proj}.{suffix}")
         return int4.nibble_bytes(array) if part == "codes" else array.astype(np.float32)
 
     for expert in range(config.n_routed_experts):

@@ -91,10 +91,19 @@ class Checkpoint:
         finally:
             os.close(descriptor)
 
+    def read(self, name: str) -> np.ndarray:
+        """The stored tensor as a private array read with pread (FP8 as ml_dtypes.float8_e4m3fn): nothing of the
+        shard stays mapped, so reading every tensor of a real-size layer one by one holds one tensor at a time."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise K2Error(f"{self.root}: no tensor named {name}")
+        data = np.concatenate(list(self.stream(name))) if entry.nbytes else np.empty(0, np.uint8)
+        return data.view(NUMPY_DTYPES[entry.dtype]).reshape(entry.shape)
+
     def float32(self, name: str) -> np.ndarray:
         """A tensor in float32; `*.weight` of an FP8 or INT4 projection comes back dequantised."""
         if name not in self.entries and self.config.int4 is not None and name + "_packed" in self.entries:
-            return int4.dequantize(self.raw(name + "_packed"), self.raw(name + "_scale"), self.config.int4.group)
+            return int4.dequantize(self.read(name + "_packed"), self.read(name + "_scale"), self.config.int4.group)
         array = self.raw(name)
         if array.dtype == NUMPY_DTYPES["F8_E4M3"]:
             scale_name = name + "_scale_inv"
@@ -108,11 +117,11 @@ class Checkpoint:
         whole block or group into NaN) and each INT4 `weight_shape` says the shape its codes have; a one-line
         K2Error naming the tensor."""
         for name in names:
-            if name.endswith(("_scale_inv", ".weight_scale")) and not np.isfinite(self.raw(name)).all():
+            if name.endswith(("_scale_inv", ".weight_scale")) and not np.isfinite(self.read(name)).all():
                 raise K2Error(f"{self.root}: {name} holds a non-finite scale (NaN or inf); the checkpoint is damaged")
             if name.endswith(".weight_shape"):
                 rows, words = self.entries[name.removesuffix("_shape") + "_packed"].shape
-                stated = [int(v) for v in self.raw(name)]
+                stated = [int(v) for v in self.read(name)]
                 if stated != [rows, words * 8]:
                     raise K2Error(f"{self.root}: {name} says {stated}, but its weight_packed holds [{rows}, "
                                   f"{words * 8}] values; the checkpoint is damaged")
