@@ -14,9 +14,11 @@ from ..core.checkpoint.synthetic import write_checkpoint
 from ..core.errors import K2Error
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
-SCORE_TOLERANCE = 1e-3  # float32 ONNX Runtime against the float32 eager reference
+# prompt logits against the float32 eager reference: the prompt attends to its own entries as the cache stores
+# them, so each bound holds its cache's rounding (measured on PROMPT: bf16 0.022, fp8 2.7; tests/test_runtime_parity.py)
+SCORE_TOLERANCES = {"bf16": 0.05, "fp8": 8.0}
 FP8_MIN_AGREEMENT = 0.9  # teacher-forced argmax agreement the FP8 cache must keep (see tests/test_runtime_parity.py)
-# the cpu lowering's stated bounds on this prompt (measured: score 0.31, agreement 1.0; tests/test_cpu_lowering.py)
+# the cpu lowering's stated bounds on this prompt (measured: score 0.33, agreement 1.0; tests/test_cpu_lowering.py)
 CPU_SCORE_TOLERANCE, CPU_MIN_AGREEMENT = 1.0, 0.9
 CASES = (("bf16", "cuda", "bf16 cache"), ("fp8", "cuda", "fp8 cache"), ("cpu", "cpu", "cpu target: int8"))
 
@@ -66,7 +68,8 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
                                             SamplingParams(max_new_tokens=24, stop_ids=tuple(tokenizer.stop_ids)))[0]
     step("generate (cpu target)", started, result=f"{len(generation.token_ids)} tokens, ttft {generation.ttft_ms:.1f} ms, "
          f"tpot {generation.tpot_ms:.1f} ms", text=tokenizer.decode(generation.token_ids, skip_special=True))
-    failures = [case for case in ("bf16", "fp8") if parity[case]["score_max_abs_difference"] > SCORE_TOLERANCE]
+    failures = [case for case, tolerance in SCORE_TOLERANCES.items()
+                if parity[case]["score_max_abs_difference"] > tolerance]
     if parity["cpu"]["score_max_abs_difference"] > CPU_SCORE_TOLERANCE:
         failures.append("cpu")
     if parity["cpu"]["teacher_forced"]["argmax_agreement"] < CPU_MIN_AGREEMENT:

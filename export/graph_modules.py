@@ -10,7 +10,9 @@ format: the target's passes (export/passes.py) choose its linears and routed exp
 format chooses the attention op (plugins/mla.py `CACHE_ATTENTION`) and the form of kv_b_proj it reads.
 `ExportLayer` adds only the cache I/O: the past entries gathered from the layer's pages in their stored format
 (`page_table` [b, n] page ids into `<array>_pages` [pages, PAGE_SIZE, width], core/cache_format.py) and the
-new ones quantised into it:
+new ones quantised into it (`stored_entries`, the faces' `store`). The chunk's own entries are attended as
+stored: read back from the stored form exactly as the past is, so that a text's logits are the same whatever
+its chunking, prefix reuse or batching, to float rounding:
 - fp8:  latent [t, b, c] e4m3 with one float32 scale per group of 128 values [t, b, c/128],
         rope [t, b, r] float16: 512 + 16 + 128 = 656 bytes per token per layer on Kimi K2.
 - int8: the latent as int8 codes with one float32 scale per token (absmax / 127), each code q stored
@@ -113,19 +115,51 @@ class StoredPast(NamedTuple):
 
     def widened(self) -> tuple[torch.Tensor, torch.Tensor]:
         """-> latent [b, t, c], rope [b, t, r] float32 (FP8 codes times their group's scale)."""
-        t, b, c = self.latent.shape
         latent = self.latent.float() if self.e4m3_values is None else self.e4m3_values[self.latent.long()]
-        if self.scale is not None:
-            latent = (latent.view(t, b, -1, self.group) * self.scale.unsqueeze(-1)).view(t, b, c)
-        return latent.transpose(0, 1), self.rope.float().transpose(0, 1)
+        return _scaled(latent, self.scale).transpose(0, 1), self.rope.float().transpose(0, 1)
+
+
+def _scaled(latent: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """latent [x, y, c] float32 codes, scale [x, y, c / group] or None -> the values [x, y, c]: each code times its
+    group's scale, the one product both the past and the new entries are read back with."""
+    if scale is None:
+        return latent
+    x, y, c = latent.shape
+    return (latent.view(x, y, scale.shape[-1], -1) * scale.unsqueeze(-1)).view(x, y, c)
+
+
+def stored_entries(cache: CacheFormat, new_latent: torch.Tensor, new_rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """new_latent [b, s, c], new_rope [b, s, r] float32 -> the entries as the cache stores them: latent [b, s, c] in
+    its format, rope [b, s, r] float16 and, for a scaled format, latent_scale [b, s, c / group]. The layer
+    graph's new cache outputs, and what its attention reads for the chunk's own positions."""
+    new_rope = new_rope.to(torch.float16)
+    coding, dtype = cache.coding, CACHE_TORCH_DTYPES[cache.name]
+    if coding.largest is None:
+        return new_latent.to(dtype), new_rope
+    b, s, c = new_latent.shape
+    grouped = new_latent.view(b, s, -1, cache.scale_group)
+    scale = (grouped.abs().amax(dim=-1, keepdim=True) / coding.largest).clamp(min=1e-12)
+    codes = grouped / scale
+    if coding.zero_point is not None:
+        codes = codes.round().clamp(-coding.largest, coding.largest) + coding.zero_point
+    return codes.to(dtype).view(b, s, c), new_rope, scale.squeeze(-1)
+
+
+def widened_entries(new: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The new entries as stored (fp8 or bf16: `stored_entries`) -> latent [b, s, c], rope [b, s, r] float32, the
+    values `StoredPast.widened` gives for the same bytes once they are in the cache."""
+    latent, rope, *scale = new
+    return _scaled(latent.float(), scale[0] if scale else None), rope.float()
 
 
 # -- attention over the cache, per op of plugins/mla.py `CACHE_ATTENTION` -------------------------------
 
-def _attention_over_widened(attention: model.MLA, q_nope, q_pe, new_latent, new_rope, past: StoredPast, mask):
-    """mla_attention: the past widened to float32 and joined with the new entries, W_UK and W_UV from the FP8
-    kv_b_proj dequantised in the graph."""
+def _attention_over_widened(attention: model.MLA, q_nope, q_pe, new: tuple, past: StoredPast, mask):
+    """mla_attention: the past widened to float32 and joined with the new entries widened from their stored form
+    (the chunk's own entries are attended as stored), W_UK and W_UV from the FP8 kv_b_proj dequantised in the
+    graph."""
     past_latent, past_rope = past.widened()
+    new_latent, new_rope = widened_entries(new)
     latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t + s, c]
     rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t + s, r]
     return torch.ops.k2deploy.mla_attention(q_nope, q_pe, latent, rope, attention.kv_b_proj.dequantized(), mask,
@@ -145,11 +179,13 @@ class AbsorbedInt8(nn.Module):
         self.register_buffer("w_uv_scale", torch.empty(h, 1, v))
 
 
-def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new_latent, new_rope, past: StoredPast, mask):
-    """mla_attention_int8_cache: the stored codes read in place, the per-token scale applied to the scores."""
+def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new: tuple, past: StoredPast, mask):
+    """mla_attention_int8_cache: the past's stored codes and the chunk's own (the chunk's own entries are attended
+    as stored) read in place, the per-token scale applied to the scores."""
     kv_b = attention.kv_b_proj
+    new_codes, new_rope, new_scale = new
     return torch.ops.k2deploy.mla_attention_int8_cache(
-        q_nope, q_pe, past.latent, past.scale, past.rope, new_latent, new_rope, kv_b.w_uk_int8, kv_b.w_uk_scale,
+        q_nope, q_pe, past.latent, past.scale, past.rope, new_codes, new_scale, new_rope, kv_b.w_uk_int8, kv_b.w_uk_scale,
         kv_b.w_uv_int8, kv_b.w_uv_scale, mask, attention.nope, attention.v_dim, attention.softmax_scale)
 
 
@@ -265,8 +301,9 @@ def export_faces(config: ModelConfig, cache_format: str, target: str, weights: s
     norms as in the checkpoint."""
     lowering = Lowering(target, weights)
     kv_b, attention = ATTENTION_FACES[mla.CACHE_ATTENTION[cache_format]]
+    cache = CacheFormat.for_config(config, cache_format)
     return model.Faces(attention, lowered_linear(lowering, config), kv_b, lambda c: ExportMoE(c, lowering),
-                       torch.bfloat16)
+                       torch.bfloat16, lambda new_latent, new_rope: stored_entries(cache, new_latent, new_rope))
 
 
 class ExportLayer(model.Block):
@@ -286,7 +323,8 @@ class ExportLayer(model.Block):
         """hidden [b, s, m] float32, positions [b, s] int64 (row i holds positions[i, 0] tokens), page_table [b, n]
         int64 (row i's pages in position order, enough for its past; the rest any page), <array>_pages the layer's
         pools [pages, PAGE_SIZE, width] (see the module doc) -> hidden [b, s, m] and the s new cache entries in
-        the cache's format: latent [b, s, c], rope [b, s, r], and for fp8 / int8 latent_scale [b, s, c/128]."""
+        the cache's format (`stored_entries`): latent [b, s, c], rope [b, s, r], and for fp8 / int8 latent_scale
+        [b, s, c / group]. The chunk attends to its own entries as stored, as a later forward reads them."""
         b, s, _ = hidden.shape
 
         def gathered(pages: torch.Tensor) -> torch.Tensor:  # [pages, P, w] -> [n * P, b, w]
@@ -301,23 +339,7 @@ class ExportLayer(model.Block):
         mask = torch.cat([cached.expand(b, s, t), causal.expand(b, s, s)], dim=-1)  # [b, s, t + s]
         scale = gathered(latent_scale_pages) if latent_scale_pages is not None else None
         past = StoredPast(past_latent, gathered(rope_pages), scale, self.cache.scale_group, self.e4m3_values)
-        hidden, new_latent, new_rope = super().forward(hidden, positions, past, mask)
-        return hidden, *self.store(new_latent, new_rope)
-
-    def store(self, new_latent: torch.Tensor, new_rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """new_latent [b, s, c], new_rope [b, s, r] float32 -> the entries as stored: latent [b, s, c], rope
-        [b, s, r] float16 and, for a scaled format, latent_scale [b, s, c / group]."""
-        new_rope = new_rope.to(torch.float16)
-        coding, dtype = self.cache.coding, CACHE_TORCH_DTYPES[self.cache.name]
-        if coding.largest is None:
-            return new_latent.to(dtype), new_rope
-        b, s, c = new_latent.shape
-        grouped = new_latent.view(b, s, -1, self.cache.scale_group)
-        scale = (grouped.abs().amax(dim=-1, keepdim=True) / coding.largest).clamp(min=1e-12)
-        codes = grouped / scale
-        if coding.zero_point is not None:
-            codes = codes.round().clamp(-coding.largest, coding.largest) + coding.zero_point
-        return codes.to(dtype).view(b, s, c), new_rope, scale.squeeze(-1)
+        return super().forward(hidden, positions, past, mask)  # hidden, then the new entries as stored
 
     def derived_initializers(self) -> dict[str, np.ndarray]:
         """Initializers that are not checkpoint tensors: the rope frequencies (and the e4m3 values)."""

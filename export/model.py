@@ -41,11 +41,11 @@ def linear(in_features: int, out_features: int) -> nn.Module:
 
 def attention_over_cache(absorb: bool):
     """The reference's attention: past = (latent [b, t0, c], rope [b, t0, r]) in float32, joined with the new
-    entries; absorb=False decompresses per-head keys and values from the latent (the naive form), absorb=True
+    entries new = (latent [b, s, c], rope [b, s, r]) as `as_computed` stores them (float32); absorb=False decompresses per-head keys and values from the latent (the naive form), absorb=True
     folds W_UK into the query and W_UV into the output and attends over the latent."""
 
-    def attend(mla: MLA, q_nope, q_pe, new_latent, new_rope, past, mask) -> torch.Tensor:
-        past_latent, past_rope = past
+    def attend(mla: MLA, q_nope, q_pe, new, past, mask) -> torch.Tensor:
+        (past_latent, past_rope), (new_latent, new_rope) = past, new
         latent = torch.cat([past_latent, new_latent], dim=1)  # [b, t, c]
         rope = torch.cat([past_rope, new_rope], dim=1)  # [b, t, r]
         w_kv = mla.kv_b_proj.weight.view(mla.heads, mla.nope + mla.v_dim, mla.latent_dim)
@@ -79,7 +79,7 @@ class MLA(nn.Module):
         self.heads, self.nope, self.rope_dim, self.v_dim = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
         self.latent_dim = c.kv_lora_rank
         self.softmax_scale = c.softmax_scale
-        self.attention = faces.attention
+        self.attention, self.store = faces.attention, faces.store
         make_linear = faces.linear
         if c.q_lora_rank is None:
             self.q_proj = make_linear(c.hidden_size, self.heads * c.qk_head_dim)
@@ -110,11 +110,14 @@ class MLA(nn.Module):
 
     def forward(self, x, positions, past, mask):
         """x [b, s, m], positions [b, s], past (the cache's first t0 entries, as the faces' attention reads them),
-        mask [b, s, t0 + s] (True: may attend) -> out [b, s, m], new_latent [b, s, c], new_rope [b, s, r]."""
+        mask [b, s, t0 + s] (True: may attend) -> out [b, s, m] and the s new entries as the faces' `store` makes
+        them. The chunk's own entries are attended as stored: the attention reads exactly what a later forward
+        reads back from the cache, so a text's outputs do not depend on how it was chunked."""
         b, s, _ = x.shape
         q_nope, q_pe, new_latent, new_rope = self.project(x, positions)
-        out = self.attention(self, q_nope, q_pe, new_latent, new_rope, past, mask)  # [b, s, h, v]
-        return self.o_proj(out.reshape(b, s, self.heads * self.v_dim)), new_latent, new_rope
+        new = self.store(new_latent, new_rope)
+        out = self.attention(self, q_nope, q_pe, new, past, mask)  # [b, s, h, v]
+        return self.o_proj(out.reshape(b, s, self.heads * self.v_dim)), *new
 
 
 class MLP(nn.Module):
@@ -179,6 +182,11 @@ class MoE(nn.Module):
         return routed.view(shape)
 
 
+def as_computed(new_latent: torch.Tensor, new_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's store: the cache holds the new entries in float32, as computed."""
+    return new_latent, new_rope
+
+
 @dataclass(frozen=True)
 class Faces:
     """What a decoder layer is made of; the dataflow is `Block`'s alone. The reference's faces are float32
@@ -186,15 +194,18 @@ class Faces:
     lowered modules and the attention op of the cache format (export/graph_modules.py).
 
     linear(in, out): a projection; kv_b(config): kv_b_proj in the form `attention` reads (None: a linear);
-    moe(config): a MoE layer's mlp; attention(mla, q_nope [b, s, h, d], q_pe [b, s, h, r], new_latent [b, s, c],
-    new_rope [b, s, r], past, mask [b, s, t0 + s]) -> [b, s, h, v], over the cache's past entries in whatever
-    form `past` holds them; norm_dtype: the RMSNorm weights' dtype."""
+    moe(config): a MoE layer's mlp; store(new_latent [b, s, c], new_rope [b, s, r]) -> the new entries as the
+    cache holds them (a tuple: the layer's new cache outputs); attention(mla, q_nope [b, s, h, d], q_pe
+    [b, s, h, r], new (store's tuple), past, mask [b, s, t0 + s]) -> [b, s, h, v], over the cache's past entries
+    in whatever form `past` holds them and the chunk's own entries as stored, read back as the past is;
+    norm_dtype: the RMSNorm weights' dtype."""
 
     attention: Callable
     linear: Callable[[int, int], nn.Module] = linear
     kv_b: Callable[[ModelConfig], nn.Module] | None = None
     moe: Callable[[ModelConfig], nn.Module] = MoE
     norm_dtype: torch.dtype = torch.float32
+    store: Callable[[torch.Tensor, torch.Tensor], tuple] = as_computed
 
 
 def reference_faces(absorb: bool = False) -> Faces:
@@ -213,11 +224,12 @@ class Block(nn.Module):
         self.mlp = faces.moe(c) if c.is_moe_layer(layer) else MLP(c.hidden_size, c.intermediate_size, faces.linear)
 
     def forward(self, x, positions, past, mask):
-        """x [b, s, m] -> x [b, s, m], new_latent [b, s, c], new_rope [b, s, r] (see MLA.forward)."""
-        attended, new_latent, new_rope = self.self_attn(self.input_layernorm(x), positions, past, mask)
+        """x [b, s, m] -> x [b, s, m] and the new entries as stored (see MLA.forward): for the reference,
+        new_latent [b, s, c], new_rope [b, s, r] in float32."""
+        attended, *new = self.self_attn(self.input_layernorm(x), positions, past, mask)
         x = x + attended
         x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_latent, new_rope
+        return x, *new
 
 
 class Transformer(nn.Module):

@@ -171,15 +171,18 @@ def absorbed_int8(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, v_dim: i
     return tuple(parts)
 
 
-def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_latent, new_rope, w_uk_codes,
-                                   w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim: int, v_dim: int,
+def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_rope, new_codes, new_scale, new_rope,
+                                   w_uk_codes, w_uk_scale, w_uv_codes, w_uv_scale, mask, nope_dim: int, v_dim: int,
                                    softmax_scale: float) -> torch.Tensor:
     """past_codes [t, b, c] uint8 (code + 128) with one scale per token past_scale [t, b, 1], past_rope [t, b, r]
-    float16 (the cache, time-major), new_latent [b, s, c], new_rope [b, s, r], W_UK and W_UV^T as int8 (see
-    absorbed_int8), mask [b, s, t + s] -> [b, s, h, v]."""
-    past = ((past_codes.float() - CODE_ZERO) * past_scale).transpose(0, 1)
-    latent = torch.cat([past, new_latent], dim=1)
-    rope = torch.cat([past_rope.float().transpose(0, 1), new_rope], dim=1)
+    float16 (the cache, time-major); the chunk's own entries as stored, batch-major: new_codes [b, s, c] uint8,
+    new_scale [b, s, 1], new_rope [b, s, r] float16; W_UK and W_UV^T as int8 (see absorbed_int8), mask
+    [b, s, t + s] -> [b, s, h, v]. The new entries are read back exactly as the past is (the chunk's own entries
+    are attended as stored)."""
+    codes = torch.cat([past_codes.transpose(0, 1), new_codes], dim=1)  # [b, t + s, c]
+    scale = torch.cat([past_scale.transpose(0, 1), new_scale], dim=1)  # [b, t + s, 1]
+    latent = (codes.float() - CODE_ZERO) * scale
+    rope = torch.cat([past_rope.transpose(0, 1), new_rope], dim=1).float()
     w_uk = w_uk_codes.float() * w_uk_scale  # [h, d, c]
     w_uv = (w_uv_codes.float() * w_uv_scale).transpose(1, 2)  # [h, v, c]
     kv_b_weight = torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1])
@@ -197,7 +200,8 @@ def _check_int8_cache_attention(dims: dict) -> None:
 ATTENTION_INT8_CACHE = OpSpec(
     "MlaAttentionInt8Cache",
     {**_QUERY, "past_codes": tensor("t b c", UINT8), "past_scale": tensor("t b 1", FLOAT),
-     "past_rope": tensor("t b r", FLOAT16), "new_latent": tensor("b s c", FLOAT), "new_rope": tensor("b s r", FLOAT),
+     "past_rope": tensor("t b r", FLOAT16), "new_codes": tensor("b s c", UINT8), "new_scale": tensor("b s 1", FLOAT),
+     "new_rope": tensor("b s r", FLOAT16),
      "w_uk_codes": tensor("h nope_dim c", INT8), "w_uk_scale": tensor("h 1 c", FLOAT),
      "w_uv_codes": tensor("h c v_dim", INT8), "w_uv_scale": tensor("h 1 v_dim", FLOAT),
      "mask": tensor("b s keys", BOOL)},
@@ -208,31 +212,42 @@ mla_attention_int8_cache = ATTENTION_INT8_CACHE.torch_op("mla_attention_int8_cac
 def mla_attention_int8_cache_function(heads: int, nope_dim: int, v_dim: int, softmax_scale: float) -> onnx.FunctionProto:
     """Scores and values over the cached codes as they are, in integer arithmetic: the absorbed queries and the
     probabilities are quantised per row (int8 and uint8, symmetric), multiplied with the uint8 codes by
-    MatMulInteger, and the per-row and per-token scales are applied to the small [b, s*h, t] results. The
-    rope part and the step's new entries stay float32; the past is never widened, rescaled or concatenated.
-    W_UK and W_UV are int8 too, so that every weight and cached byte is read once, as one byte."""
+    MatMulInteger, and the per-row and per-token scales are applied to the small [b, s*h, t + s] results. The
+    chunk's own entries are attended as stored: their codes, scales and float16 rope go through the same products
+    as the past's. They are multiplied apart (the past is never widened, rescaled or copied) and the int32
+    products added: integer sums are exact, so this is the product over the joined codes, and a position scores
+    the same whether it is in the chunk or in the cache. Only the rope part is float32. W_UK and W_UV are int8
+    too, so that every weight and cached byte is read as one byte."""
     b = Body("mla8")
     query = _Int8Query(b, heads, nope_dim, v_dim)
-    codes = b.node("Transpose", "past_codes", perm=[1, 0, 2])  # [b, t, c] uint8, batch-major
     zero = b.const(CODE_ZERO, onnx.TensorProto.UINT8)
-    scale = b.node("Transpose", "past_scale", perm=[1, 2, 0])  # [b, 1, t]
-    q_codes, q_scale = _quantized_rows(b, query.latent, 127.0, onnx.TensorProto.INT8)  # [b, s*h, c], [b, s*h, 1]
-    # scores transposed, so that the cached codes are the uint8 left operand: [b, t, c] x [b, c, s*h]
-    scores_t = b.node("MatMulInteger", codes, b.node("Transpose", q_codes, perm=[0, 2, 1]), zero)
-    past_scores = b.node("Mul", b.node("Mul", b.node("Cast", b.node("Transpose", scores_t, perm=[0, 2, 1]),
-                                                     to=onnx.TensorProto.FLOAT), q_scale), scale)
+    past_codes = b.node("Transpose", "past_codes", perm=[1, 0, 2])  # [b, t, c] uint8, batch-major
+    scale = b.node("Concat", b.node("Transpose", "past_scale", perm=[1, 2, 0]),
+                   b.node("Transpose", "new_scale", perm=[0, 2, 1]), axis=2)  # [b, 1, t + s]
     past_rope = b.node("Cast", b.node("Transpose", "past_rope", perm=[1, 0, 2]), to=onnx.TensorProto.FLOAT)
-    past_scores = b.node("Add", past_scores, _times_transposed(b, query.pe, past_rope))  # [b, s*h, t]
-    new_scores = b.node("Add", _times_transposed(b, query.latent, "new_latent"),
-                        _times_transposed(b, query.pe, "new_rope"))  # [b, s*h, s]
-    probs = query.softmax(b.node("Concat", past_scores, new_scores, axis=-1), softmax_scale, "mask")
+    new_rope = b.node("Cast", "new_rope", to=onnx.TensorProto.FLOAT)
+    q_codes, q_scale = _quantized_rows(b, query.latent, 127.0, onnx.TensorProto.INT8)  # [b, s*h, c], [b, s*h, 1]
+    q_codes = b.node("Transpose", q_codes, perm=[0, 2, 1])  # [b, c, s*h]
+
+    def scored(codes: str, rope: str) -> str:
+        """[b, k, c] codes, [b, k, r] rope -> unscaled latent scores [b, s*h, k] float32 and rope scores."""
+        # transposed, so that the cached codes are the uint8 left operand: [b, k, c] x [b, c, s*h]
+        products = b.node("Transpose", b.node("MatMulInteger", codes, q_codes, zero), perm=[0, 2, 1])
+        return b.node("Cast", products, to=onnx.TensorProto.FLOAT), _times_transposed(b, query.pe, rope)
+
+    (past_latent, past_pe), (new_latent, new_pe) = scored(past_codes, past_rope), scored("new_codes", new_rope)
+    latent_scores = b.node("Mul", b.node("Mul", b.node("Concat", past_latent, new_latent, axis=-1), q_scale), scale)
+    scores = b.node("Add", latent_scores, b.node("Concat", past_pe, new_pe, axis=-1))  # [b, s*h, t + s]
+    probs = b.node("Mul", query.softmax(scores, softmax_scale, "mask"), scale)
+    p_codes, p_scale = _quantized_rows(b, probs, 255.0, onnx.TensorProto.UINT8)  # over the whole row, t + s
     t = b.node("Shape", "past_codes", start=0, end=1)
-    past_probs = b.node("Mul", b.node("Slice", probs, b.const([0]), t, b.const([2])), scale)
-    new_probs = b.node("Slice", probs, t, b.const([1 << 62]), b.const([2]))
-    p_codes, p_scale = _quantized_rows(b, past_probs, 255.0, onnx.TensorProto.UINT8)
-    past_out = b.node("Mul", b.node("Cast", b.node("MatMulInteger", p_codes, codes, "", zero), to=onnx.TensorProto.FLOAT),
-                      p_scale)  # [b, s*h, c]
-    out_latent = b.node("Add", past_out, b.node("MatMul", new_probs, "new_latent"))
+    past_p = b.node("Slice", p_codes, b.const([0]), t, b.const([2]))
+    new_p = b.node("Slice", p_codes, t, b.const([1 << 62]), b.const([2]))
+    # ONNX Runtime leaves a MatMulInteger over an empty inner dimension unwritten: an empty past (t = 0) counts 0
+    any_past = b.node("Cast", b.node("Min", t, b.const([1])), to=onnx.TensorProto.INT32)
+    past_products = b.node("Mul", b.node("MatMulInteger", past_p, past_codes, "", zero), any_past)
+    products = b.node("Add", past_products, b.node("MatMulInteger", new_p, "new_codes", "", zero))  # int32 [b, s*h, c]
+    out_latent = b.node("Mul", b.node("Cast", products, to=onnx.TensorProto.FLOAT), p_scale)
     b.rename(query.output(out_latent), "out")
     return ATTENTION_INT8_CACHE.function(b, extra_opsets=[ORT_OPSET])
 
@@ -249,6 +264,7 @@ def _quantized_rows(b: Body, rows: str, largest: float, dtype: int, offset: int 
     return b.node("Cast", codes, to=dtype), row_scale
 
 
-# The op that attends over each latent cache format (core/cache_format.py): over int8 the stored codes are
-# read in place; fp8 and bf16 are widened to float32 and joined with the new entries first.
+# The op that attends over each latent cache format (core/cache_format.py): over int8 the stored codes (the past's
+# and the chunk's own) are read in place; fp8 and bf16 are widened to float32, the new entries from their stored
+# form, and joined first.
 CACHE_ATTENTION = {"fp8": mla_attention, "bf16": mla_attention, "int8": mla_attention_int8_cache}

@@ -112,22 +112,27 @@ def test_the_int8_ops_match_their_eager_faces():
     assert np.abs(got - eager).max() <= 0.02 * np.abs(eager).max()
 
 
-def test_attention_over_the_int8_cache_matches_its_eager_face():
-    import onnxruntime as ort
-
-    rng = np.random.default_rng(1)
-    b, s, h, d, v, c, r, t = 2, 3, 4, 8, 6, 16, 5, 7
+def _int8_cache_attention_inputs(rng, b, s, h, d, v, c, r, t) -> dict:
+    """The op's inputs in its declared order: a past of t cached entries and s new ones, both as stored."""
     tensors = {
         "q_nope": rng.standard_normal((b, s, h, d)), "q_pe": rng.standard_normal((b, s, h, r)),
         "past_codes": rng.integers(1, 256, (t, b, c)).astype(np.uint8), "past_scale": rng.random((t, b, 1)) / 50,
-        "past_rope": rng.standard_normal((t, b, r)).astype(np.float16), "new_latent": rng.standard_normal((b, s, c)),
-        "new_rope": rng.standard_normal((b, s, r)),
+        "past_rope": rng.standard_normal((t, b, r)).astype(np.float16),
+        "new_codes": rng.integers(1, 256, (b, s, c)).astype(np.uint8), "new_scale": rng.random((b, s, 1)) / 50,
+        "new_rope": rng.standard_normal((b, s, r)).astype(np.float16),
         **dict(zip(("w_uk_codes", "w_uk_scale", "w_uv_codes", "w_uv_scale"),
                    (t.numpy() for t in mla.absorbed_int8(torch.randn(h * (d + v), c), h, d, v)))),
         "mask": np.concatenate([rng.random((b, s, t)) > 0.3, np.tril(np.ones((s, s), bool))[None].repeat(b, 0)], -1),
     }
     tensors = {k: a.astype(np.float32) if a.dtype == np.float64 else a for k, a in tensors.items()}
-    eager = mla.mla_attention_int8_cache_eager(*map(torch.from_numpy, tensors.values()), d, v, 0.3).numpy()
+    assert list(tensors) == list(mla.ATTENTION_INT8_CACHE.inputs)
+    return tensors
+
+
+def _run_int8_cache_attention(tensors: dict, h: int, d: int, v: int) -> np.ndarray:
+    """The op's ONNX function, as ONNX Runtime runs it in a layer graph."""
+    import onnxruntime as ort
+
     spec = mla.ATTENTION_INT8_CACHE
     node = onnx.helper.make_node(spec.name, spec.inputs, ["out"], domain="k2deploy", nope_dim=d, v_dim=v,
                                  softmax_scale=0.3)
@@ -141,10 +146,37 @@ def test_attention_over_the_int8_cache_matches_its_eager_face():
                                    opset_imports=[onnx.helper.make_opsetid("", 21), onnx.helper.make_opsetid("k2deploy", 1),
                                                   onnx.helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
-    got = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]).run(None, tensors)[0]
+    session = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    return session.run(None, tensors)[0]
+
+
+@pytest.mark.parametrize("t", [7, 0])
+def test_attention_over_the_int8_cache_matches_its_eager_face(t):
+    b, s, h, d, v, c, r = 2, 3, 4, 8, 6, 16, 5
+    tensors = _int8_cache_attention_inputs(np.random.default_rng(1), b, s, h, d, v, c, r, t)
+    eager = mla.mla_attention_int8_cache_eager(*map(torch.from_numpy, tensors.values()), d, v, 0.3).numpy()
+    got = _run_int8_cache_attention(tensors, h, d, v)
     # the queries and probabilities are rounded to 8 bits per row for the integer products: measured 0.6% of
     # the largest output here; a wrong scale, zero point or transpose gives errors of the outputs' own size
     assert np.abs(got - eager).max() < 0.02 * np.abs(eager).max()
+
+
+def test_the_int8_cache_attention_reads_a_new_entry_as_it_reads_a_cached_one():
+    """The chunk's own entries are attended as stored: the last positions of a chunk give the outputs they give
+    when the chunk's first positions are already in the cache (a prefill in two chunks, or a decode step), to
+    float rounding, in the ONNX function and in the eager op."""
+    b, s, h, d, v, c, r, t, k = 2, 5, 4, 8, 6, 16, 5, 7, 3
+    whole = _int8_cache_attention_inputs(np.random.default_rng(2), b, s, h, d, v, c, r, t)
+    split = dict(whole, q_nope=whole["q_nope"][:, k:], q_pe=whole["q_pe"][:, k:], mask=whole["mask"][:, k:],
+                 new_codes=whole["new_codes"][:, k:], new_scale=whole["new_scale"][:, k:],
+                 new_rope=whole["new_rope"][:, k:])
+    for past, new in (("past_codes", "new_codes"), ("past_scale", "new_scale"), ("past_rope", "new_rope")):
+        split[past] = np.concatenate([whole[past], whole[new][:, :k].transpose(1, 0, 2)])
+    got, alone = _run_int8_cache_attention(whole, h, d, v), _run_int8_cache_attention(split, h, d, v)
+    np.testing.assert_allclose(alone, got[:, k:], rtol=1e-5, atol=1e-6 * np.abs(got).max())
+    eager = [mla.mla_attention_int8_cache_eager(*map(torch.from_numpy, x.values()), d, v, 0.3).numpy()
+             for x in (whole, split)]
+    np.testing.assert_allclose(eager[1], eager[0][:, k:], rtol=1e-5, atol=1e-6 * np.abs(eager[0]).max())
 
 
 def _agreement(checkpoint, artifacts: dict) -> dict:
@@ -160,19 +192,21 @@ def _agreement(checkpoint, artifacts: dict) -> dict:
 
 def test_cpu_lowering_agreement_on_tiny(tiny_checkpoint, tiny_cpu_artifact, tiny_artifacts):
     """256 teacher-forced positions on tiny. Measured: the cpu lowering (int8 weights, cache and attention) agrees on
-    0.961 of the argmaxes, as does the exact FP8 graph with its FP8 cache: random tiny weights leave small margins
-    between the top logits, so both lossy paths flip a few. Prompt logits: max |d| 0.27 (1e-5 for the exact graph)."""
+    0.961 of the argmaxes, the exact FP8 graph with its FP8 cache 0.969: random tiny weights leave small margins
+    between the top logits, so both lossy paths flip a few. Prompt logits, which hold the cache's rounding of the
+    prompt's own entries: max |d| 0.33 (2.7 for the exact graph with its FP8 cache)."""
     results = _agreement(tiny_checkpoint, {"cpu": tiny_cpu_artifact, "fp8": tiny_artifacts["fp8"]})
     cpu, fp8 = results["cpu"], results["fp8"]
-    assert cpu["score"] < 1.0 and fp8["score"] < 1e-3
+    assert cpu["score"] < 1.0 and fp8["score"] < 8.0
     assert cpu["argmax_agreement"] >= 0.93 and cpu["argmax_agreement"] >= fp8["argmax_agreement"] - 0.03
     assert cpu["mean_abs_logit_error"] < 0.15
 
 
 def test_cpu_lowering_agreement_on_small(tmp_path):
-    """256 teacher-forced positions on small (Kimi K2's attention dims, 64 experts, vocab 32768). Measured: 0.871
-    for the cpu lowering, 0.848 for the exact FP8 graph with its FP8 cache: the int8 lowering costs no more than
-    the FP8 cache does. Mean |dlogit| 0.15. A broken lowering (a wrong scale, a wrong expert) gives chance."""
+    """256 teacher-forced positions on small (Kimi K2's attention dims, 64 experts, vocab 32768). Measured: 0.844
+    for the cpu lowering, 0.859 for the exact FP8 graph with its FP8 cache: the int8 lowering costs about what
+    the FP8 cache does. Mean |dlogit| 0.16; prompt logits max |d| 2.5. A broken lowering (a wrong scale, a wrong
+    expert) gives chance."""
     checkpoint = write_checkpoint(tmp_path / "small", preset_config("small"), seed=0, shard_bytes=SHARD_BYTES["small"])
     export_artifact(ExportOptions(str(checkpoint), target="cpu"), tmp_path / "cpu")
     result = _agreement(checkpoint, {"cpu": tmp_path / "cpu"})["cpu"]

@@ -23,12 +23,20 @@ def generators(tiny_artifacts):
     return {cache: Generator(OrtModel(load_manifest(path))) for cache, path in tiny_artifacts.items()}
 
 
+# prompt logits against the reference, max and mean |d| (logits of standard deviation near 2)
+PROMPT_LOGIT_BOUNDS = {"bf16": (0.05, 0.01), "fp8": (8.0, 0.5)}
+
+
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_prompt_logits_match_the_float32_reference(generators, tiny_reference, cache):
-    # A prefill from an empty cache reads no cached entry, so the cache format does not enter:
-    # what remains is float32 rounding in another order (measured 1.1e-5 on logits of std 3).
+    # The prompt attends to its own positions as the cache stores them (as a later decode step reads them), so
+    # the cache format enters the prompt logits. Measured on these prompts: bf16 max |d| 0.017-0.022, mean
+    # 0.003-0.004, every argmax the reference's; fp8 (e4m3's 3 mantissa bits) max 2.7-4.3, mean 0.10-0.27,
+    # argmax 83-100%. A broken cache (wrong scale, wrong slot) gives errors of the logits' own size.
+    largest, mean = PROMPT_LOGIT_BOUNDS[cache]
     for prompt in PROMPTS:
-        assert parity.score_difference(tiny_reference, generators[cache], prompt) < 1e-3
+        error = np.abs(generators[cache].score(prompt) - reference.prompt_logits(tiny_reference, prompt).numpy())
+        assert error.max() < largest and error.mean() < mean, (prompt, error.max(), error.mean())
 
 
 def test_bf16_cache_greedy_tokens_are_identical(generators, tiny_reference):

@@ -48,11 +48,11 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 
 
 def test_logprobs_are_the_log_softmax_of_the_models_logits(server, tiny_artifacts, tokenizer):
-    """Each sampled token's logprob and top_logprobs, chat and completions, whole and streamed, to float rounding:
-    the first token's against `score`'s logits of the prompt; every token's against the logits of the same prefill
-    and decode steps run here (decode reads the past from the FP8 cache, so later positions differ from one
-    float32 prefill of the whole text by what that format changes). Prompts share no cache page, so no answer
-    reads another's prefix from the cache."""
+    """Each sampled token's logprob and top_logprobs, chat and completions, whole and streamed, equal the
+    log-softmax of `score`'s logits of the whole text (prompt and answer, one prefill) at the positions that
+    chose them, to float rounding: the server's prefill attends to its own positions as the FP8 cache stores
+    them, as its decode steps read them, so a text's logits do not depend on how it was run. Prompts share no
+    cache page, so no answer reads another's prefix from the cache."""
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.generator import Generator
     from k2deploy.runtime.ort_backend import OrtModel
@@ -78,11 +78,8 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(server, tiny_artifact
         # greedy: the server's tokens are generate's (tested above), named by their text
         ids = generator.generate([prompt_ids], SamplingParams(max_new_tokens=len(tokens)))[0].token_ids
         assert tokens == [tokenizer.token_bytes(i).decode("utf-8", "replace") for i in ids]
-        assert logprobs[0] == pytest.approx(_log_softmax(generator.score(prompt_ids)[-1])[ids[0]], abs=1e-4)
-        cache = generator.model.new_cache(1, len(prompt_ids) + len(ids))
-        rows = [generator.prefill([prompt_ids], cache)[0]]
-        rows += [generator.decode(np.array([t]), np.array([True]), cache)[0] for t in ids[:-1]]
-        expected = _log_softmax(np.stack(rows))
+        # the logits at position i choose token i + 1: the prompt's last position chose the first answer token
+        expected = _log_softmax(generator.score(prompt_ids + ids)[len(prompt_ids) - 1 : -1])  # [len(ids), vocab]
         assert logprobs == pytest.approx(expected[np.arange(len(ids)), ids].tolist(), abs=1e-4)
         for row, top in zip(expected, tops):  # completions' top_logprobs map text to logprob: same texts merge
             best = np.sort(row)[::-1][:3]

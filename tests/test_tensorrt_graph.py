@@ -24,12 +24,12 @@ EXPECTED_REWRITES = {
     "head": {"plugin function bodies dropped": 0},
     "layer_000": {"plugin function bodies dropped": 1, "MlaAttention plugin nodes": 1,
                   "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
-                  "Cast from FP8 -> DequantizeLinear": 8, "Cast to FP8 -> QuantizeLinear": 1},
+                  "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
     "layer_001": {"plugin function bodies dropped": 3, "MlaAttention plugin nodes": 1, "MoeRoute plugin nodes": 1,
                   "MoeExperts -> MoeExpertsUp + MoeExpertsDown": 1, "MoeExpertsUp plugin nodes": 1,
                   "MoeExpertsDown plugin nodes": 1, "expert bits typed UINT8 -> FLOAT8E4M3FN": 3,
                   "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
-                  "Cast from FP8 -> DequantizeLinear": 8, "Cast to FP8 -> QuantizeLinear": 1},
+                  "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
 }
 
 
@@ -98,10 +98,12 @@ def test_the_rewrites_are_the_expected_ones(copies):
     for stem, expected in EXPECTED_REWRITES.items():
         rewrites = {k: v for k, v in report[stem]["rewrites"].items() if k not in ("folded constants",
                                                                                     "dead nodes removed")}
-        # the 8 FP8 weights are dequantised (the FP8 cache's pages go in as bits, widened through a table)
+        # the 8 FP8 weights are dequantised and so are the new FP8 entries, which the layer attends to as stored
+        # (the FP8 cache's pages go in as bits, widened through a table)
         if cache == "bf16":
             expected = {**expected}
             if "CastLike -> Cast" in expected:
+                expected["Cast from FP8 -> DequantizeLinear"] = 8
                 expected["CastLike -> Cast"] = 4  # one CastLike belongs to the FP8 cache's scales
                 del expected["Cast to FP8 -> QuantizeLinear"]
         assert rewrites == expected, stem
@@ -194,7 +196,9 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
                 feeds["rope_pages"] = rng.standard_normal((pool, PAGE_SIZE, config.qk_rope_head_dim)).astype(np.float16)
             elif value.name == "latent_scale_pages":
                 feeds["latent_scale_pages"] = rng.random((pool, PAGE_SIZE, 1)).astype(np.float32)
-        for out, x, y in zip(original.get_outputs(), original.run(None, feeds), rewritten.run(None, feeds)):
+        outputs = list(zip(original.get_outputs(), original.run(None, feeds), rewritten.run(None, feeds)))
+        stepped = False  # a new entry one rounding step apart, which the layer's attention reads as stored
+        for out, x, y in outputs:
             x, y = np.asarray(x), np.asarray(y)
             if out.name == "new_latent" and cache["format"] == "bf16":  # widened to float32 by _widened: bf16 values
                 x, y = x.astype(ml_dtypes.bfloat16), y.astype(ml_dtypes.bfloat16)
@@ -204,8 +208,13 @@ def test_the_rewritten_graphs_compute_the_same(copies, shape):
                 # order (the matmuls block their sums by shape and thread count), which can carry a value across a
                 # 16-bit rounding boundary: equal, or one rounding step apart
                 assert _steps_apart(x, y) <= 1, (stem, out.name, _steps_apart(x, y))
-            else:
-                np.testing.assert_allclose(y.astype(np.float32), x.astype(np.float32), rtol=1e-5, atol=1e-5,
+                stepped = stepped or _steps_apart(x, y) == 1
+        for out, x, y in outputs:
+            if np.asarray(x).dtype == np.float32 and out.name != "new_latent":
+                # float32 rounding, or where the layer attended to an entry a step apart, what that step moves
+                # (measured 8e-5 on a hidden output of standard deviation near 1)
+                tolerance = 5e-4 if stepped else 1e-5
+                np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=1e-5, atol=tolerance,
                                            err_msg=f"{stem} {out.name}")
 
 
