@@ -82,14 +82,50 @@ def test_the_checkpoint_holds_kimi_k2_thinkings_layout_as_compressed_tensors_wri
 
 def test_exact_targets_match_the_eager_reference_on_the_dequantised_weights(int4_reference, int4_artifacts):
     """cuda's graph (run here by ONNX Runtime's CPU provider): QMoE 4-bit at float32 accuracy over the checkpoint's
-    codes, BF16 linears. Measured: prompt logits within 1.1e-5; greedy identical with the BF16 cache."""
+    codes, BF16 linears. Every attention reads the cache as stored, so prompt logits differ from the float32
+    reference by the cache's rounding alone: measured 0.02 with the BF16 cache (as for an FP8 checkpoint's exact
+    graph); greedy tokens identical and every teacher-forced argmax agrees."""
     with torch.no_grad():
-        for name in ("cuda_bf16", "cuda"):
-            generator = Generator(OrtModel(load_manifest(int4_artifacts[name])))
-            assert parity.score_difference(int4_reference, generator, PROMPT) < 1e-4
-        same, expected, got = parity.greedy_agreement(
-            int4_reference, Generator(OrtModel(load_manifest(int4_artifacts["cuda_bf16"]))), PROMPT, 24)
-    assert got == expected
+        generator = Generator(OrtModel(load_manifest(int4_artifacts["cuda_bf16"])))
+        assert parity.score_difference(int4_reference, generator, PROMPT) < 0.05
+        same, expected, got = parity.greedy_agreement(int4_reference, generator, PROMPT, 24)
+        forced = parity.teacher_forced(int4_reference, generator, PROMPT, 32)
+    assert got == expected and forced["argmax_agreement"] == 1.0
+
+
+def test_qmoe_over_the_checkpoints_codes_is_the_eager_maths_to_float_rounding():
+    """The 4-bit QMoE node at accuracy_level 0 (exact targets) equals its eager face to float rounding; at 4 (cpu:
+    int8 activations) within 3% of the output's size. A swapped nibble order or gate/up order gives errors of the
+    output's own size."""
+    import onnxruntime as ort
+
+    from k2deploy import plugins
+    from k2deploy.plugins.int4 import EXACT, INT8_ACTIVATIONS, moe_experts_int4
+    from k2deploy.runtime.thread_pool import session_options
+
+    rng = np.random.default_rng(1)
+    e, f, m, n, k = 8, 64, 128, 5, 2
+    fc1 = rng.integers(0, 256, size=(e, 2 * f, m // 2), dtype=np.uint8)
+    fc2 = rng.integers(0, 256, size=(e, m, f // 2), dtype=np.uint8)
+    s1 = (rng.uniform(0.5, 1.5, size=(e, 2 * f, m // 32)) * 0.02).astype(np.float32)
+    s2 = (rng.uniform(0.5, 1.5, size=(e, m, f // 32)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((n, m)).astype(np.float32)
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int64)
+    weights = rng.uniform(0.1, 1.0, size=(n, k)).astype(np.float32)
+    for accuracy, tolerance in ((EXACT, 1e-5), (INT8_ACTIVATIONS, 0.03)):
+        class One(torch.nn.Module):
+            def forward(self, x, ids, weights):
+                return moe_experts_int4(x, ids, weights, *map(torch.from_numpy, (fc1, s1, fc2, s2)), accuracy)
+
+        inputs = tuple(map(torch.from_numpy, (x, ids, weights)))
+        eager = One()(*inputs).numpy()
+        program = torch.onnx.export(One().eval(), inputs, dynamo=True, opset_version=21,
+                                    custom_translation_table=plugins.translation_table(),
+                                    input_names=["x", "ids", "weights"])
+        session = ort.InferenceSession(program.model_proto.SerializeToString(), session_options(),
+                                       providers=["CPUExecutionProvider"])
+        got = session.run(None, {"x": x, "ids": ids, "weights": weights})[0]
+        assert np.abs(got - eager).max() <= tolerance * np.abs(eager).max()
 
 
 def test_cpu_lowering_agreement_on_the_int4_checkpoint(int4_reference, int4_artifacts):
