@@ -65,3 +65,24 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=10)
+
+
+def with_markers_flagged(artifact: Path, copy_to: Path, markers: tuple[str, ...], special: bool) -> Path:
+    """A copy of `artifact` whose tokenizer config flags `markers` special or not (configs differ between releases
+    and re-saved tokenizers), its manifest's record of the file updated."""
+    import json
+    import shutil
+
+    from k2deploy.core.manifest import MANIFEST_FILE, file_record
+
+    copy = shutil.copytree(artifact, copy_to)
+    config_path = copy / "tokenizer" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    for entry in config["added_tokens_decoder"].values():
+        if entry["content"] in markers:
+            entry["special"] = special
+    config_path.write_text(json.dumps(config))
+    manifest = json.loads((copy / MANIFEST_FILE).read_text())
+    manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(copy, "tokenizer/tokenizer_config.json")
+    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return copy

@@ -16,9 +16,9 @@ pytest.importorskip("torch")
 
 from cli import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
-from serving import MODEL, Server  # noqa: E402
+from serving import MODEL, Server, with_markers_flagged  # noqa: E402
 
-from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
+from k2deploy.core.tokenizer import TOOL_MARKERS, KimiTokenizer, write_tokenizer  # noqa: E402
 
 
 def _split(pieces: list[str], thinking: bool = False) -> tuple[str, str]:
@@ -67,9 +67,12 @@ def _artifact(root, tokenizer, answer):
     return root / "artifact"
 
 
+@pytest.mark.parametrize("special", [True, False], ids=["markers flagged special", "markers not special"])
 @pytest.mark.parametrize("answer, tools", [(ANSWER, None), (CALL, TOOLS)], ids=["answer", "tool call"])
-def test_reasoning_content_whole_and_streamed(tmp_path, tokenizer, answer, tools):
-    artifact = _artifact(tmp_path, tokenizer, answer)
+def test_reasoning_content_whole_and_streamed(tmp_path, tokenizer, answer, tools, special):
+    """Through the official openai client, whatever the tokenizer config says of the think and tool markers."""
+    artifact = with_markers_flagged(_artifact(tmp_path, tokenizer, answer), tmp_path / "flagged",
+                                    ("<think>", "</think>", *TOOL_MARKERS), special)
     shown = json.loads(run_cli("generate", artifact, "--chat", "--prompt", "When?", "--json").stdout)
     reasoning = "Check it" if tools is None else "Use it"
     assert shown["reasoning"] == reasoning and "<think>" not in shown["text"]

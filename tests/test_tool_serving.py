@@ -15,9 +15,9 @@ pytest.importorskip("torch")
 
 from cli import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
-from serving import MODEL, Server  # noqa: E402
+from serving import MODEL, Server, with_markers_flagged  # noqa: E402
 
-from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer  # noqa: E402
+from k2deploy.core.tokenizer import TOOL_MARKERS, KimiTokenizer, write_tokenizer  # noqa: E402
 
 # The scripted answer: one call to `bakery` with no arguments (each token of it differs, see tests/scripted.py).
 ANSWER = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0<|tool_call_argument_begin|>{}"
@@ -172,20 +172,7 @@ def test_tool_calls_are_found_whatever_the_config_says_of_the_markers(artifact, 
     """The parser needs the markers in the decoded text: a tokenizer config that flags them special (as some
     releases and re-saved tokenizers do) must not strip them, whole or streamed; the answer's content never shows
     them."""
-    import shutil
-
-    from k2deploy.core.manifest import MANIFEST_FILE, file_record
-
-    copy = shutil.copytree(artifact, tmp_path / "artifact")
-    config_path = copy / "tokenizer" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    for entry in config["added_tokens_decoder"].values():
-        if "tool_call" in entry["content"]:
-            entry["special"] = flag
-    config_path.write_text(json.dumps(config))
-    manifest = json.loads((copy / MANIFEST_FILE).read_text())
-    manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(copy, "tokenizer/tokenizer_config.json")
-    (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
+    copy = with_markers_flagged(artifact, tmp_path / "artifact", TOOL_MARKERS, flag)
     tools = tmp_path / "tools.json"
     tools.write_text(json.dumps(TOOLS))
     shown = json.loads(run_cli("generate", copy, "--chat", "--prompt", "x", "--tools", tools, "--json").stdout)
