@@ -111,6 +111,8 @@ def cmd_export(args: argparse.Namespace) -> None:
             if "reused" in event:
                 if not args.json:
                     print(f"export: {event['tokenizer']}", file=sys.stderr, flush=True)
+                    for note in event["notes"]:
+                        print(f"export: note: {note}", file=sys.stderr, flush=True)
                 if event["reused"] and not args.json:
                     print(f"export: resuming: {event['reused']} graphs kept from the unfinished export, "
                           f"{event['to_write']} to write", file=sys.stderr)

@@ -181,7 +181,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
                       f"free some space and rerun (finished graphs are kept)")
     on_total(remaining)
     reused = sum(journal.finished(job, out) for job in jobs)
-    on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer})
+    on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer,
+              "notes": _weight_notes(config, options)})
 
     lowering = Lowering(options.target, options.weights)
     traces: dict[str, tuple] = {}
@@ -246,6 +247,15 @@ def _check_weight_format(config: ModelConfig, options: ExportOptions) -> None:
         raise K2Error("INT4 experts have no TensorRT plugin in this version (TensorRT's INT4 weight-only kernels "
                       "take fixed weights, not routed experts); export this checkpoint with --target cuda (ONNX "
                       "Runtime's 4-bit QMoE) or --target cpu")
+
+
+def _weight_notes(config: ModelConfig, options: ExportOptions) -> list[str]:
+    """What the user should know of how the chosen target runs 4-bit experts."""
+    if options.target != "cuda" or (config.int4 is None and options.weights != "int4"):
+        return []
+    return ["the 4-bit experts run as a float32 QMoE node, which ONNX Runtime's CUDA provider has no kernel for "
+            "(its QMoE takes float16 activations and CUTLASS-prepacked weights, which this version does not write): "
+            "ONNX Runtime places that node on its CPU provider, exact but not on the GPU"]
 
 
 def _check_scales(checkpoint: Checkpoint, jobs: list[GraphJob]) -> None:

@@ -176,6 +176,14 @@ def test_the_manifest_and_inspect_say_each_weight_groups_format_and_bytes(int4_a
     assert by_format["int4"] == moe_layers * e * 3 * (f * m // 2 + f * m // 32 * 2 + 16)
 
 
+def test_cuda_export_says_where_the_4bit_experts_run(int4_checkpoint, tmp_path):
+    result = run_cli("export", int4_checkpoint, "--out", tmp_path / "cuda", "--target", "cuda")
+    assert result.returncode == 0, result.stderr
+    assert "note: the 4-bit experts run as a float32 QMoE node" in result.stderr and "CPU provider" in result.stderr
+    cpu = run_cli("export", int4_checkpoint, "--out", tmp_path / "cpu", "--target", "cpu", "--layers", "1:2")
+    assert cpu.returncode == 0 and "note:" not in cpu.stderr
+
+
 def test_tensorrt_is_refused_in_one_line(int4_checkpoint, tmp_path):
     result = run_cli("export", int4_checkpoint, "--out", tmp_path / "trt", "--target", "tensorrt")
     assert result.returncode != 0 and "Traceback" not in result.stderr
