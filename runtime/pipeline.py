@@ -29,8 +29,8 @@ class StageRunner:
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
                  device_id: int | None = None, host_share: int = 1):
         """host_share: how many stage processes share this stage's host (they divide its cores when threads is None).
-        The stage hashes only its own graphs' files (its host may hold only those)."""
-        manifest = load_manifest(artifact, verify_hashes=False)
+        Of the graphs' files the stage hashes only its own (the other stages' are checked for their size)."""
+        manifest = load_manifest(artifact, hash_graphs=False)
         manifest.verify(manifest.graph_files(stage_graphs(manifest, placement)))
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
                               layers=range(placement.start, placement.stop), device_id=device_id, host_share=host_share)

@@ -17,6 +17,7 @@ from cli import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.placement import parse_placement
+from k2deploy.runtime import ray_compiled
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.pipeline import StageRunner
@@ -37,10 +38,10 @@ def ray_address():
     ray.shutdown()
 
 
-def _whole_and_placed(artifact, placement, ray_address, compiled=True):
+def _whole_and_placed(artifact, placement, ray_address):
     manifest = load_manifest(artifact)
     whole = Generator(OrtModel(manifest, threads=1))
-    placed = Generator(load_placed(manifest, placement, ray_address, "cpu", 1, 4096, compiled))
+    placed = Generator(load_placed(manifest, placement, ray_address, "cpu", 1, 4096))
     return whole, placed
 
 
@@ -62,8 +63,14 @@ def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_ad
     _same_logits_and_tokens(whole, placed)
 
 
-def test_ray_stages_step_through_tasks_where_no_graph_is_compiled(tiny_artifacts, ray_address):
-    whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[1], ray_address, compiled=False)
+def test_where_no_graph_compiles_one_line_says_so_and_tasks_step(tiny_artifacts, ray_address, monkeypatch, capsys):
+    def refuse(*args):
+        raise RuntimeError("no channels here")
+
+    monkeypatch.setattr(ray_compiled.CompiledStep, "__init__", refuse)
+    whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[1], ray_address)
+    notice = capsys.readouterr().err.strip().splitlines()
+    assert len(notice) == 1 and "run as tasks" in notice[0] and "no channels here" in notice[0], notice
     assert placed.model.stages.graph is None
     _same_logits_and_tokens(whole, placed)
 
