@@ -83,6 +83,30 @@ class Manifest:
                           f"file {entry['data']}; refusing to load it")
         return path
 
+    def verify(self, names, hashes: bool = True) -> None:
+        """Files `names` of the manifest's list: each a regular file inside the artifact, of its size and (with
+        `hashes`) its sha256; a K2Error for the first that is not. A pipeline stage verifies only its own files."""
+        for relative in names:
+            record = self.data["files"][relative]
+            file = inside(self.root, relative, "file")
+            if file.stat().st_size != record["bytes"]:
+                raise K2Error(f"{self.root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
+                              f"{record['bytes']}; it was altered or truncated, re-export the artifact")
+            if hashes and sha256_file(file) != record["sha256"]:
+                raise K2Error(f"{self.root}: file {relative} does not match its sha256 in the manifest; it was "
+                              f"altered, re-export the artifact")
+
+    def graph_files(self, names=None) -> list[str]:
+        """The files (graph and external data) of graphs `names` ("embed", "head", "layer_NNN"; None: all)."""
+        graphs = self.graphs
+        if names is None:
+            entries = [graphs["embed"], *graphs["layers"], graphs["head"]]
+        else:
+            first = graphs["layer_range"][0]
+            entries = [graphs["layers"][int(n.removeprefix("layer_")) - first] if n.startswith("layer_") else graphs[n]
+                       for n in names]
+        return [entry[key] for entry in entries for key in ("file", "data")]
+
     @property
     def digest(self) -> str:
         """sha256 of manifest.json: names this exact artifact in benchmark results and engine records."""
@@ -140,9 +164,10 @@ def _check_shape(root: Path, data: dict) -> None:
             need(entry[key] in files, f"graph file {entry[key]!r} is not listed in 'files', so it cannot be verified")
 
 
-def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
+def load_manifest(root: str | Path, verify_hashes: bool = True, hash_graphs: bool = True) -> Manifest:
     """Reads and checks an artifact: format version, its structure, then every file's place (a regular file
-    inside the artifact), presence, size and (by default) hash."""
+    inside the artifact), presence, size and (by default) hash; hash_graphs False leaves the graphs' files
+    unhashed (pipeline stages hash their own)."""
     root = Path(root)
     if not root.is_dir():
         raise K2Error(f"{root}: not an artifact directory (run `k2deploy export CKPT --out {root}` first)")
@@ -154,12 +179,8 @@ def load_manifest(root: str | Path, verify_hashes: bool = True) -> Manifest:
     check_version(data, "format_version", FORMAT_VERSION, f"{path}: format",
                   "re-export the checkpoint with this version")
     _check_shape(root, data)
-    for relative, record in data["files"].items():
-        file = inside(root, relative, "file")
-        if file.stat().st_size != record["bytes"]:
-            raise K2Error(f"{root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
-                          f"{record['bytes']}; it was altered or truncated, re-export the artifact")
-        if verify_hashes and sha256_file(file) != record["sha256"]:
-            raise K2Error(f"{root}: file {relative} does not match its sha256 in the manifest; it was altered, "
-                          f"re-export the artifact")
-    return Manifest(root, data)
+    manifest = Manifest(root, data)
+    unhashed = set() if hash_graphs else set(manifest.graph_files())
+    manifest.verify([name for name in data["files"] if name not in unhashed], verify_hashes)
+    manifest.verify(unhashed, hashes=False)
+    return manifest

@@ -40,9 +40,19 @@ class BatchForward:
              last: np.ndarray | None) -> np.ndarray:
         self.cache.reserve(slots, np.where(valid, positions + 1, 0).max(axis=1))
         view = self.cache.view(slots)
-        hidden = self.model.forward(token_ids, positions, valid, view)
+        forward_logits = getattr(self.model, "forward_logits", None)
+        if forward_logits is not None:  # pipeline stages: the last stage runs the head
+            logits = forward_logits(token_ids, positions, valid, view, last)
+        else:
+            logits = logits_at(self.model.logits, self.model.forward(token_ids, positions, valid, view), last)
         view.grow(positions, valid)
         view.commit(token_ids, valid)
-        if last is None:
-            return self.model.logits(hidden)
-        return self.model.logits(hidden[np.arange(len(slots)), last][:, None])[:, 0]
+        return logits
+
+
+def logits_at(head, hidden: np.ndarray, last: np.ndarray | None) -> np.ndarray:
+    """head (hidden [b, s, m] -> logits [b, s, vocab]) at each row's position `last` -> [b, vocab], or with last
+    None at every position -> [b, s, vocab]."""
+    if last is None:
+        return head(hidden)
+    return head(hidden[np.arange(len(hidden)), last][:, None])[:, 0]

@@ -34,4 +34,8 @@ class Model(Protocol):
         (`BatchForward` then grows and commits the view)."""
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [b, s, m] -> logits [b, s, vocab] float32."""
+        """hidden [b, s, m] -> logits [b, s, vocab] float32.
+
+        Pipeline stages (`pipeline.PipelineModel`), whose head runs on the last stage, give in place of forward
+        and logits `forward_logits(token_ids, positions, valid, view, last)`: the forward and the logits at each
+        row's position `last` [b, vocab] (at every position [b, s, vocab] when last is None) in one call."""

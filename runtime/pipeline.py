@@ -17,6 +17,7 @@ import numpy as np
 from ..core.errors import K2Error
 from ..core.manifest import load_manifest
 from ..core.placement import Stage as Placement
+from .batch_forward import logits_at
 from .cache import Cache, SlotView, pages_for
 from .ort_backend import OrtModel
 
@@ -27,8 +28,10 @@ class StageRunner:
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
                  device_id: int | None = None, host_share: int = 1):
-        """host_share: how many stage processes share this stage's host (they divide its cores when threads is None)."""
-        manifest = load_manifest(artifact)
+        """host_share: how many stage processes share this stage's host (they divide its cores when threads is None).
+        Of the graphs' files the stage hashes only its own (the other stages' are checked for their size)."""
+        manifest = load_manifest(artifact, hash_graphs=False)
+        manifest.verify(manifest.graph_files(stage_graphs(manifest, placement)))
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
                               layers=range(placement.start, placement.stop), device_id=device_id, host_share=host_share)
         self.store = None
@@ -57,11 +60,30 @@ class StageRunner:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.model.logits(hidden)
 
+    def step(self, message: tuple | None) -> tuple | np.ndarray | None:
+        """One stage of a compiled step (`ray_compiled.CompiledStep`): message (inputs, positions, valid,
+        page_table, last) -> the same with this stage's hidden as inputs, or on the last stage the logits that
+        `logits_at` gives for `last`; None (the graph run empty once, when compiled) -> None."""
+        if message is None:
+            return None
+        inputs, positions, valid, page_table, last = message
+        hidden = self.forward(inputs, positions, valid, page_table)
+        if not self.model.last:
+            return hidden, positions, valid, page_table, last
+        return logits_at(self.model.logits, hidden, last)
+
     def stage_seconds(self) -> dict[str, float]:
         return dict(self.model.stage_seconds)
 
     def clear_stage_seconds(self) -> None:
         self.model.stage_seconds.clear()
+
+
+def stage_graphs(manifest, placement: Placement) -> list[str]:
+    """The graphs a stage runs: its layers, with the embedding when it is first and the head when it is last."""
+    first = manifest.graphs["layer_range"][0]
+    layers = [f"layer_{first + i:03d}" for i in range(placement.start, placement.stop)]
+    return ["embed"] * placement.first + layers + ["head"] * placement.last
 
 
 def device_id(placement: Placement) -> int | None:
@@ -81,14 +103,11 @@ class LocalStages:
     def threads(self) -> list[int]:
         return [stage.threads() for stage in self.stages]
 
-    def forward(self, token_ids, positions, valid, page_table) -> np.ndarray:
+    def forward_logits(self, token_ids, positions, valid, page_table, last) -> np.ndarray:
         hidden = token_ids
         for stage in self.stages:
             hidden = stage.forward(hidden, positions, valid, page_table)
-        return hidden
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.stages[-1].logits(hidden)
+        return logits_at(self.stages[-1].logits, hidden, last)
 
     def stage_seconds(self) -> dict[str, float]:
         return {name: s for stage in self.stages for name, s in stage.stage_seconds().items()}
@@ -134,11 +153,11 @@ class PipelineModel:
     def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> PipelineCache:
         return PipelineCache(self.stages, batch, max_len, pages or batch * pages_for(max_len), prefix_cache, self.salt)
 
-    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
-        return self.stages.forward(token_ids, positions, valid, view.page_table)
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self.stages.logits(hidden)
+    def forward_logits(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView,
+                       last: np.ndarray | None) -> np.ndarray:
+        """A forward and its logits in one call (`runtime.interface.Model.forward_logits`): the last stage
+        runs the head, so only the logits of the rows asked for come back."""
+        return self.stages.forward_logits(token_ids, positions, valid, view.page_table, last)
 
     def problem(self) -> str | None:
         """None while every stage is up; else what is wrong, in one line (`/health` reports it)."""

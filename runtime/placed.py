@@ -1,11 +1,13 @@
 """A pipeline model from `--placement` and `--ray`: the stages parsed or made, each checked against its device's
-memory for its weights plus its layers' share of the cache's page pool, then loaded here or on Ray actors."""
+memory for its weights plus its layers' share of the cache's page pool (on its own host), then loaded here or on
+Ray actors."""
 
 from __future__ import annotations
 
 import functools
 import os
 import shutil
+import socket
 import subprocess
 
 from ..core.cache_format import CacheFormat
@@ -13,11 +15,13 @@ from ..core.errors import K2Error
 from ..core.placement import USABLE_FRACTION, Stage, auto_placement, format_bytes, parse_placement
 from .pipeline import LocalStages, PipelineModel
 
+FLOAT32_BYTES = 4
+
 
 def load_placed(manifest, placement: str | None, ray: str | None, provider: str, threads: int | None,
-                cache_tokens: int) -> PipelineModel:
+                cache_tokens: int, compiled: bool = True) -> PipelineModel:
     """The artifact as stages; placement None or "auto": one cpu stage on the cpu provider, else one stage per
-    visible GPU, balanced by bytes."""
+    visible GPU, balanced by bytes. compiled False: Ray stages step through tasks, not a compiled graph."""
     if ray is not None:
         from .ray_stages import connect
 
@@ -31,14 +35,18 @@ def load_placed(manifest, placement: str | None, ray: str | None, provider: str,
         stages = parse_placement(placement, layers)
     if provider == "cpu" and any(s.device != "cpu" for s in stages):
         raise K2Error("--placement puts stages on GPUs but --provider is cpu; pass --provider cuda (or tensorrt)")
-    for i, stage in enumerate(stages):
-        _check_memory(i, stage, weights, cache_per_layer, cache_tokens)
+    check = functools.partial(check_memory, weights=weights, cache_per_layer=cache_per_layer, tokens=cache_tokens)
     if ray is not None:
         from .ray_stages import RayStages
 
-        return PipelineModel(manifest, RayStages(str(manifest.root), stages, provider, threads), stages)
+        config = manifest.config
+        row_bytes = FLOAT32_BYTES * max(config.hidden_size, config.vocab_size)
+        return PipelineModel(manifest, RayStages(str(manifest.root), stages, provider, threads, check, row_bytes,
+                                                 compiled), stages)
     if any(s.host for s in stages):
         raise K2Error("--placement names hosts other than h0; stages on several hosts run on Ray: pass --ray ADDRESS")
+    for i, stage in enumerate(stages):
+        check(i, stage)
     return PipelineModel(manifest, LocalStages(str(manifest.root), stages, provider, threads), stages)
 
 
@@ -63,10 +71,8 @@ def _auto(weights: dict, cache_per_layer: int, layers: int, provider: str, on_ra
                           int(capacity * USABLE_FRACTION))
 
 
-def _check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int, tokens: int) -> None:
-    """Checked here for the stages of this host (h0), where this process can see the devices."""
-    if stage.host:
-        return
+def check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int, tokens: int) -> None:
+    """Run on the stage's own host (a Ray task there for Ray stages), which it names in a refusal."""
     held = sum(weights["layers"][stage.start:stage.stop]) + weights["embed"] * stage.first + weights["head"] * stage.last
     capacity = _memory(stage.device)
     if capacity is None:
@@ -78,7 +84,7 @@ def _check_memory(index: int, stage: Stage, weights: dict, cache_per_layer: int,
         fits = (usable - held) // per_token if usable > held else 0
         hint = (f"--max-total-tokens {fits} would fit" if fits else "its weights alone do not fit: give it fewer layers")
         raise K2Error(f"stage {index} (layers {stage.start}:{stage.stop} on {stage.name}) needs {format_bytes(need)} "
-                      f"for weights and a cache of {tokens} tokens, its device offers "
+                      f"for weights and a cache of {tokens} tokens, its device on host {socket.gethostname()} offers "
                       f"{format_bytes(usable)} ({USABLE_FRACTION:.0%} of {format_bytes(capacity)}); {hint}")
 
 

@@ -1,17 +1,22 @@
 """Pipeline stages on Ray actors: each stage's sessions and slice of the cache live in one actor on its device
 (a GPU stage asks Ray for one GPU; a stage of host N runs on the N-th node); the driver holds neither.
 
-A forward chains the stages' calls by object reference, so each stage's hidden state goes to the next
-through Ray's object store without a round trip to the driver; a batch of several rows goes as
-micro-batches, one per stage, so that the stages work at the same time. A stage that dies fails the forwards that
-used it; Ray restarts its actor (up to ACTOR_RESTARTS times), which loads its sessions again, and
-`problem()` gives it a fresh cache once it answers. No torch is imported here or in the actors.
+Before any actor loads, each stage checks its own host's memory for its weights and its share of the cache.
+A step runs as a Ray Compiled Graph (`ray_compiled.CompiledStep`): the stages chained by channels, the last one
+running the head, so that only the logits of the rows asked for come back; a batch of several rows goes as
+micro-batches, one per stage, in flight together so that the stages work at the same time. Where Ray cannot
+compile the graph, one line says so at start and each step chains the stages' calls by object reference
+through Ray's object store instead. A stage that dies fails the forwards that used it and closes the graph;
+Ray restarts its actor (up to ACTOR_RESTARTS times), which loads its sessions again, `problem()` gives it a
+fresh cache once it answers, and the next step compiles the graph again. No torch is imported here or in the
+actors.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import uuid
 from collections import Counter
 
@@ -19,7 +24,9 @@ import numpy as np
 
 from ..core.errors import K2Error
 from ..core.placement import Stage as Placement
+from .batch_forward import logits_at
 from .pipeline import StageRunner, device_id
+from .ray_compiled import compile_step
 
 ACTOR_RESTARTS = 3
 NAMESPACE = "k2deploy"
@@ -53,14 +60,20 @@ def connect(address: str) -> None:
 class RayStages:
     """The stages as Ray actors, in placement order."""
 
-    def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None):
+    def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None,
+                 check_memory, row_bytes: int, compiled: bool = True):
+        """check_memory(index, placement): raises a K2Error where the stage does not fit; it runs on the stage's
+        host. row_bytes: one row's hidden state or logits, whichever is larger (sizes the graph's channels).
+        compiled False: the task path, without trying a compiled graph (benchmarks compare the two)."""
         import ray
 
         self.ray = ray
         self.placements = placements
         self.pages: int | None = None  # the cache's pages, once allocated (a restarted stage gets them again)
-        remote = ray.remote(StageRunner)
+        self.row_bytes = row_bytes
         nodes = _nodes_by_host(ray, max(p.host for p in placements) + 1)
+        self._check_hosts(check_memory, nodes)
+        remote = ray.remote(StageRunner)
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
         self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]
         self.actors = []
@@ -68,15 +81,30 @@ class RayStages:
         for name, placement in zip(self.names, placements):
             gpu = placement.device != "cpu"
             options = {"name": name, "namespace": NAMESPACE, "max_restarts": ACTOR_RESTARTS, "max_task_retries": 0,
-                       "num_cpus": 0, "num_gpus": 1 if gpu else 0}  # the stage's own thread pool sizes its CPU use
-            if nodes is not None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(nodes[placement.host], soft=False)
+                       "num_cpus": 0, "num_gpus": 1 if gpu else 0,  # the stage's own thread pool sizes its CPU use
+                       **_on_host(nodes, placement)}
             # Ray shows a GPU actor its one GPU as device 0
             self.actors.append(remote.options(**options).remote(artifact, placement, provider, threads,
                                                                 0 if gpu else device_id(placement), per_host[placement.host]))
         self._get([actor.ready.remote() for actor in self.actors], "loading")
+        self.graph = None
+        self.compiled = compiled
+        if compiled:
+            self.graph, why_not = compile_step(self.actors, row_bytes)
+            if self.graph is None:
+                self.compiled = False
+                print(f"k2deploy: note: Ray stages run as tasks through the object store: {why_not}", file=sys.stderr,
+                      flush=True)
+
+    def _check_hosts(self, check_memory, nodes: list[str] | None) -> None:
+        """Each stage's memory check, run on its own host; the first refusal as its own one line."""
+        check = self.ray.remote(_call)
+        refs = [check.options(num_cpus=0, **_on_host(nodes, placement)).remote(check_memory, i, placement)
+                for i, placement in enumerate(self.placements)]
+        try:
+            self.ray.get(refs)
+        except self.ray.exceptions.RayTaskError as exc:
+            raise K2Error(_first_line(exc.cause or exc)) from None
 
     def allocate(self, pages: int) -> int:
         self.pages = pages
@@ -85,19 +113,42 @@ class RayStages:
     def threads(self) -> list[int]:
         return self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
 
-    def forward(self, token_ids, positions, valid, page_table) -> np.ndarray:
-        """The rows as up to one micro-batch per stage, all submitted at once: while stage k runs micro-batch i,
-        stage k + 1 runs micro-batch i - 1 (each actor takes its calls in order)."""
-        refs = []
-        for part in np.array_split(np.arange(len(page_table)), min(len(page_table), len(self.actors))):
-            ref = token_ids[part]
-            for actor in self.actors:  # each stage's hidden goes straight to the next
-                ref = actor.forward.remote(ref, positions[part], valid[part], page_table[part])
-            refs.append(ref)
-        return np.concatenate(self._get(refs, "a forward"))
+    def forward_logits(self, token_ids, positions, valid, page_table, last) -> np.ndarray:
+        """The rows as up to one micro-batch per stage, all in flight at once: while stage k runs micro-batch i,
+        stage k + 1 runs micro-batch i - 1 (each actor takes them in order) -> the logits `logits_at` gives."""
+        parts = np.array_split(np.arange(len(page_table)), min(len(page_table), len(self.actors)))
+        messages = [(token_ids[p], positions[p], valid[p], page_table[p], None if last is None else last[p])
+                    for p in parts]
+        if not self.compiled:
+            return np.concatenate([self._through_tasks(*message) for message in messages])
+        try:
+            if self.graph is None:  # closed by a fault: the stages are back (`problem`), compile it again
+                self.graph, why_not = compile_step(self.actors, self.row_bytes)
+                if self.graph is None:
+                    raise K2Error(f"a pipeline stage is down (compiling the step): {why_not}")
+            refs = [self.graph.submit(message) for message in messages]
+            return np.concatenate([self.graph.result(ref) for ref in refs])
+        except self.ray.exceptions.RayError as exc:
+            self._close_graph()
+            if isinstance(exc, self.ray.exceptions.RayTaskError):
+                raise K2Error(f"a pipeline stage failed in a step: {_first_line(exc.cause or exc)}") from None
+            raise K2Error(f"a pipeline stage is down (a step): {_first_line(exc)}") from None
 
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        return self._get(self.actors[-1].logits.remote(hidden), "the head")
+    def _through_tasks(self, inputs, positions, valid, page_table, last) -> np.ndarray:
+        """One micro-batch as chained actor calls: each stage's hidden goes straight to the next by reference."""
+        ref = inputs
+        for actor in self.actors:
+            ref = actor.forward.remote(ref, positions, valid, page_table)
+        head = self.actors[-1].logits.remote
+        return logits_at(lambda hidden: self._get(head(hidden), "the head"), self._get(ref, "a forward"), last)
+
+    def _close_graph(self) -> None:
+        if self.graph is not None:
+            graph, self.graph = self.graph, None
+            try:
+                graph.close()
+            except Exception:  # noqa: BLE001 - a graph whose actor died may fail to tear down; it is dropped anyway
+                pass
 
     def stage_seconds(self) -> dict[str, float]:
         seconds = self._get([actor.stage_seconds.remote() for actor in self.actors], "reading timings")
@@ -137,6 +188,20 @@ def _nodes_by_host(ray, hosts: int) -> list[str] | None:
     if len(nodes) < hosts:
         raise K2Error(f"the placement uses {hosts} hosts, the Ray cluster has {len(nodes)} nodes")
     return [n["NodeID"] for n in nodes[:hosts]]
+
+
+def _call(function, *args) -> None:
+    """A callable (a partial too, which Ray does not take as a remote function) run as a Ray task."""
+    function(*args)
+
+
+def _on_host(nodes: list[str] | None, placement: Placement) -> dict:
+    """Ray options that pin a task or actor to the placement's host (none when every stage is on host 0)."""
+    if nodes is None:
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(nodes[placement.host], soft=False)}
 
 
 def _first_line(exc: BaseException) -> str:

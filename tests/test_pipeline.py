@@ -1,8 +1,11 @@
-"""Pipeline stages over layer ranges, in one process and on Ray actors (Ray started here, on this host): the prompt
-logits and greedy tokens of one process; the server over Ray stages, and a stage that dies mid-stream."""
+"""Pipeline stages over layer ranges, in one process and on Ray actors (Ray started here, on this host), stepped
+through a compiled graph or through tasks: the prompt logits and greedy tokens of one process; each stage's own
+memory check and file hashes; the server over Ray stages, and a stage that dies mid-stream."""
 
 from __future__ import annotations
 
+import shutil
+import socket
 import time
 
 import httpx
@@ -11,9 +14,14 @@ import pytest
 
 from cli import run_cli
 
+from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
+from k2deploy.core.placement import parse_placement
+from k2deploy.runtime import ray_compiled
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.pipeline import StageRunner
+from k2deploy.runtime.placed import load_placed
 from k2deploy.runtime.sampling import SamplingParams
 from k2deploy.runtime.backends import load_backend
 
@@ -33,8 +41,16 @@ def ray_address():
 def _whole_and_placed(artifact, placement, ray_address):
     manifest = load_manifest(artifact)
     whole = Generator(OrtModel(manifest, threads=1))
-    placed = Generator(load_backend("onnxruntime", manifest, threads=1, placement=placement, ray=ray_address))
+    placed = Generator(load_placed(manifest, placement, ray_address, "cpu", 1, 4096))
     return whole, placed
+
+
+def _same_logits_and_tokens(whole, placed):
+    difference = np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max()
+    assert difference <= 1e-5, difference
+    params = SamplingParams(max_new_tokens=8)  # two prompts: a micro-batch per stage, in flight together on Ray
+    assert ([g.token_ids for g in placed.generate(PROMPTS, params)]
+            == [g.token_ids for g in whole.generate(PROMPTS, params)])
 
 
 @pytest.mark.parametrize("on_ray", [False, True], ids=["one process", "ray actors"])
@@ -42,11 +58,21 @@ def _whole_and_placed(artifact, placement, ray_address):
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_address, cache, placement, on_ray):
     whole, placed = _whole_and_placed(tiny_artifacts[cache], placement, ray_address if on_ray else None)
-    difference = np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max()
-    assert difference <= 1e-5, difference
-    params = SamplingParams(max_new_tokens=8)
-    assert ([g.token_ids for g in placed.generate(PROMPTS, params)]
-            == [g.token_ids for g in whole.generate(PROMPTS, params)])
+    if on_ray:  # a step is one run of a compiled graph, not tasks
+        assert placed.model.stages.graph is not None
+    _same_logits_and_tokens(whole, placed)
+
+
+def test_where_no_graph_compiles_one_line_says_so_and_tasks_step(tiny_artifacts, ray_address, monkeypatch, capsys):
+    def refuse(*args):
+        raise RuntimeError("no channels here")
+
+    monkeypatch.setattr(ray_compiled.CompiledStep, "__init__", refuse)
+    whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[1], ray_address)
+    notice = capsys.readouterr().err.strip().splitlines()
+    assert len(notice) == 1 and "run as tasks" in notice[0] and "no channels here" in notice[0], notice
+    assert placed.model.stages.graph is None
+    _same_logits_and_tokens(whole, placed)
 
 
 def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
@@ -59,6 +85,28 @@ def test_a_placement_that_does_not_fit_says_what_would(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(Exception, match=r"stage 0 \(layers 0:3 on h0/cpu\) needs .* would fit"):
         load_backend("onnxruntime", manifest, placement="0:3@cpu", cache_tokens=4096 * 10**9)
+
+
+def test_a_ray_stage_checks_its_own_hosts_memory(tiny_artifacts, ray_address):
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    with pytest.raises(K2Error, match=rf"stage [01] \(layers [01]:[13] on h0/cpu\) needs .* on host "
+                                      rf"{socket.gethostname()} offers .*; --max-total-tokens \d+ would fit") as refused:
+        load_backend("onnxruntime", manifest, placement="0:1@cpu,1:3@cpu", ray=ray_address,
+                     cache_tokens=10**12 // manifest.config.num_hidden_layers)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+def test_a_stage_hashes_only_its_own_files(tiny_artifacts, tmp_path):
+    artifact = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "artifact")
+    manifest = load_manifest(artifact)
+    head = artifact / manifest.graphs["head"]["data"]
+    altered = bytearray(head.read_bytes())
+    altered[-1] ^= 0xFF  # same size: only its hash tells
+    head.write_bytes(bytes(altered))
+    first, last = parse_placement("0:1@cpu,1:3@cpu", manifest.config.num_hidden_layers)
+    assert StageRunner(str(artifact), first, "cpu", 1).ready() is False  # loads: the head is not its file
+    with pytest.raises(K2Error, match=f"file {manifest.graphs['head']['data']} does not match its sha256"):
+        StageRunner(str(artifact), last, "cpu", 1)
 
 
 def test_an_unreachable_ray_address_is_one_line(tiny_artifacts):
