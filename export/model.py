@@ -32,7 +32,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()  # the form ONNX Runtime fuses
 
 
 def linear(in_features: int, out_features: int) -> nn.Module:
@@ -104,8 +104,9 @@ class MLA(nn.Module):
         new_latent [b, s, c] (normalised), new_rope [b, s, r] (roped): what the cache stores."""
         b, s, _ = x.shape
         q = self.project_query(x).view(b, s, self.heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split([self.nope, self.rope_dim], dim=-1)
-        new_latent, new_rope = self.kv_a_proj_with_mqa(x).split([self.latent_dim, self.rope_dim], dim=-1)
+        q_nope, q_pe = q[..., :self.nope], q[..., self.nope:]
+        kv = self.kv_a_proj_with_mqa(x)
+        new_latent, new_rope = kv[..., :self.latent_dim], kv[..., self.latent_dim:]
         return q_nope, self.rotary(q_pe, positions), self.kv_a_layernorm(new_latent), self.rotary(new_rope, positions)
 
     def forward(self, x, positions, past, mask):

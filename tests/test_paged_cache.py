@@ -67,15 +67,22 @@ def _same_to_rounding(actual, expected, name="bf16"):
     stores them, so both runs read the same entries and only the order of float32 sums differs (matrix products
     block them by shape). Rarely, that carries a value across a rounding boundary of what is stored (one bf16 /
     e4m3 step), which moves later logits by more: measured over six texts of 37 tokens on tiny (logits of
-    standard deviation 1.8), bf16 and fp8 caches, max |d| 9e-6 to 1.6e-3, mean |d| 1e-6 to 1.4e-5. The cpu
-    target also rounds every matrix product's activations to int8 per row, a step 1/127 of the row's largest
-    value, so a rounding difference lands on the next code far more often (and now and then flips an expert
-    choice): on this test's text max |d| 5.8e-2, mean 1.4e-4 (0.9 and 1.1e-2 on the worst of the six). A forward
-    that attends to its own positions unrounded (as before) gives on the same texts mean |d| 1.2e-3 to 1.4e-3
-    (bf16), 2.5e-2 to 7.6e-2 (fp8), 4.6e-2 to 7.5e-2 (cpu)."""
-    difference = np.abs(np.asarray(actual, np.float64) - np.asarray(expected, np.float64))
-    largest, mean = (0.1, 1e-3) if name == "cpu" else (5e-3, 1e-4)
-    assert difference.max() <= largest and difference.mean() <= mean, (difference.max(), difference.mean())
+    standard deviation 1.8), bf16 and fp8 caches, max |d| 9e-6 to 1.6e-3, mean |d| 1e-6 to 1.4e-5.
+
+    The cpu target is lossy and not to rounding: it rounds every matrix product's activations and every stored
+    entry to int8 per row, a step 1/127 of the row's largest value, so a float rounding difference (ONNX Runtime's
+    int8 kernels sum in an order that depends on the row count: 1e-7 relative) lands on another code now and then;
+    a changed stored code moves every later position, and on random weights it can flip an expert choice. Its
+    stated agreement, measured over 12 texts of 85 tokens on tiny (a prompt in two chunks and 8 decode steps
+    against one prefill): mean |d| median 7.5e-3, worst 1.9e-2; max |d| median 0.13, worst 1.3; argmax agreement
+    at every position at least 0.976. The test holds the mean and the argmax agreement, not the max."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    difference = np.abs(actual - expected)
+    if name == "cpu":
+        agreement = (actual.argmax(-1) == expected.argmax(-1)).mean()
+        assert difference.mean() <= 0.03 and agreement >= 0.95, (difference.mean(), agreement)
+    else:
+        assert difference.max() <= 5e-3 and difference.mean() <= 1e-4, (difference.max(), difference.mean())
 
 
 def test_a_choice_of_the_same_prompt_takes_its_full_pages_and_a_copy_of_its_last():
@@ -198,13 +205,16 @@ def test_a_prompt_over_the_context_or_the_whole_pool_is_refused(models):
         loop.submit(_requests([_prompt(70, seed=9)], 1)[0])
 
 
-def test_generate_reuses_a_prefix_its_prompts_share(models):
+@pytest.mark.parametrize("name", ["bf16", "cpu"])
+def test_generate_reuses_a_prefix_its_prompts_share(models, name):
+    """Greedy tokens with reuse equal those without: exactly on the bf16 cache; on the cpu lowering as measured
+    (16 tokens after a reused 3-page prefix on tiny: identical for 12 of 12 prompts)."""
     from k2deploy.runtime.generator import Generator
     from k2deploy.runtime.sampling import SamplingParams
 
     shared = _prompt(2 * PAGE_SIZE, seed=10)
     prompts = [shared + _prompt(5, seed=11), shared + _prompt(9, seed=12)]
-    generator = Generator(models["bf16"])
+    generator = Generator(models[name])
     together = generator.generate(prompts, SamplingParams(max_new_tokens=6))
     separate = [generator.generate([p], SamplingParams(max_new_tokens=6))[0] for p in prompts]
     assert [g.token_ids for g in together] == [g.token_ids for g in separate]

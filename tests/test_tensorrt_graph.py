@@ -23,12 +23,12 @@ EXPECTED_REWRITES = {
     "embed": {"plugin function bodies dropped": 0},  # a graph carries only the bodies of ops it uses
     "head": {"plugin function bodies dropped": 0},
     "layer_000": {"plugin function bodies dropped": 1, "MlaAttention plugin nodes": 1,
-                  "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
+                  "CastLike -> Cast": 9,
                   "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
     "layer_001": {"plugin function bodies dropped": 3, "MlaAttention plugin nodes": 1, "MoeRoute plugin nodes": 1,
                   "MoeExperts -> MoeExpertsUp + MoeExpertsDown": 1, "MoeExpertsUp plugin nodes": 1,
                   "MoeExpertsDown plugin nodes": 1, "expert bits typed UINT8 -> FLOAT8E4M3FN": 3,
-                  "SplitToSequence + SequenceAt -> Split": 2, "CastLike -> Cast": 5,
+                  "CastLike -> Cast": 9,
                   "Cast from FP8 -> DequantizeLinear": 9, "Cast to FP8 -> QuantizeLinear": 1},
 }
 
@@ -104,7 +104,7 @@ def test_the_rewrites_are_the_expected_ones(copies):
             expected = {**expected}
             if "CastLike -> Cast" in expected:
                 expected["Cast from FP8 -> DequantizeLinear"] = 8
-                expected["CastLike -> Cast"] = 4  # one CastLike belongs to the FP8 cache's scales
+                expected["CastLike -> Cast"] -= 1  # one CastLike belongs to the FP8 cache's scales
                 del expected["Cast to FP8 -> QuantizeLinear"]
         assert rewrites == expected, stem
     assert report["layer_001"]["rewrites"]["folded constants"] > 100
