@@ -249,16 +249,18 @@ def test_the_server_reports_cached_prompt_tokens_and_refuses_a_prompt_over_the_p
         server.stop()
 
 
-def test_on_small_a_reused_prefix_gives_the_logits_its_prefill_does(tmp_path_factory):
+def test_on_small_a_reused_prefix_gives_the_logits_and_greedy_tokens_its_prefill_does(tmp_path_factory):
     """Kimi K2's attention dimensions (the `small` preset: kv_lora 512, rope 64, 8 heads): after a reused prefix
     of five pages the exact graph over the bf16 cache gives the logits of the same prompt prefilled fresh in one
-    forward, to float rounding."""
+    forward, to float rounding, and the same greedy tokens."""
     pytest.importorskip("torch")
     from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
     from k2deploy.core.checkpoint.synthetic import write_checkpoint
     from k2deploy.core.manifest import load_manifest
     from k2deploy.export.exporter import ExportOptions, export_artifact
+    from k2deploy.runtime.generator import Generator
     from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.sampling import SamplingParams
 
     root = tmp_path_factory.mktemp("small")
     checkpoint = write_checkpoint(root / "ckpt", preset_config("small"), seed=0, shard_bytes=SHARD_BYTES["small"])
@@ -272,3 +274,8 @@ def test_on_small_a_reused_prefix_gives_the_logits_its_prefill_does(tmp_path_fac
     reused, logits = _prefill(model, cache, 1, second)
     assert reused == 5 * PAGE_SIZE
     _same_to_rounding(logits, _fresh(model, second))
+    generator = Generator(model)  # and greedy tokens with reuse are those without
+    together = generator.generate([first, second], SamplingParams(max_new_tokens=8))
+    separate = [generator.generate([prompt], SamplingParams(max_new_tokens=8))[0] for prompt in (first, second)]
+    assert [g.token_ids for g in together] == [g.token_ids for g in separate]
+    assert [g.cached_tokens for g in together] == [0, 5 * PAGE_SIZE]
