@@ -16,7 +16,9 @@ at the `small` preset's dimensions by default (hidden 1024, dense MLP 2816, 64 e
   cache      widening the latent cache of T tokens to float32: Cast of e4m3, DequantizeLinear of e4m3
              with its block scales, Cast of int8.
   attention  one decode step's two products over an int8 cache of T tokens with 16 heads, in float32
-             after widening the codes, or in integer arithmetic (MatMulInteger) as the cpu target runs them.
+             after widening the codes, or in integer arithmetic (MatMulInteger): the scores with the queries as
+             int8 (uint8 x int8, whose sums saturate on x86 CPUs without VNNI) or as bytes q + 128 (uint8 x
+             uint8, exact everywhere, as the cpu target runs them).
 
 Errors are against float32 numpy on the same (re-quantised) weights, relative to the largest output.
 A candidate ONNX Runtime cannot run here is listed with its error message.
@@ -246,11 +248,16 @@ def attention_candidates(rng, contexts: list[int], heads: int, latent: int, thre
             "scores, float32 (widen + FusedMatMul transB)": (
                 widened + [helper.make_node("FusedMatMul", ["a", "wide"], ["y"], domain="com.microsoft", transB=1)],
                 ("a", TensorProto.FLOAT, (heads, latent)), [zero_f]),
-            "scores, int8 (MatMulInteger, codes as uint8 rows)": (
+            "scores, int8 (MatMulInteger, uint8 x int8 queries)": (
                 [helper.make_node("MatMulInteger", ["codes", "a", "zero"], ["y32"]),
                  helper.make_node("Transpose", ["y32"], ["y32t"], perm=[1, 0]),
                  helper.make_node("Cast", ["y32t"], ["y"], to=TensorProto.FLOAT)],
                 ("a", TensorProto.INT8, (latent, heads)), [zero]),
+            "scores, int8 (MatMulInteger, uint8 x uint8 queries)": (
+                [helper.make_node("MatMulInteger", ["codes", "a", "zero", "zero"], ["y32"]),
+                 helper.make_node("Transpose", ["y32"], ["y32t"], perm=[1, 0]),
+                 helper.make_node("Cast", ["y32t"], ["y"], to=TensorProto.FLOAT)],
+                ("a", TensorProto.UINT8, (latent, heads)), [zero]),
             "values, float32 (widen + MatMul)": (
                 widened + [helper.make_node("MatMul", ["a", "wide"], ["y"])],
                 ("a", TensorProto.FLOAT, (heads, context)), [zero_f]),

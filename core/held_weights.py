@@ -28,8 +28,7 @@ from .quant_blocks import INT4_GROUP, int8_block
 
 WEIGHTS = ("stored", "int8", "int4")
 U8 = "U8"  # uint8 codes: int8 with zero point 128, or two 4-bit codes per byte
-I8 = "I8"
-DTYPE_BYTES = {layout.FP8: 1, BF16: 2, F32: 4, U8: 1, I8: 1, layout.I32: 4, layout.I64: 8}
+DTYPE_BYTES = {layout.FP8: 1, BF16: 2, F32: 4, U8: 1, layout.I32: 4, layout.I64: 8}
 
 
 def tensor_bytes(spec: TensorSpec) -> int:
@@ -48,9 +47,9 @@ def _int4(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
 
 def _absorbed_kv_b(config: ModelConfig, name: str) -> list[TensorSpec]:
     h, d, v, c = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-    return [TensorSpec(f"{name}.w_uk_int8", (h, d, c), I8, "proj"),
+    return [TensorSpec(f"{name}.w_uk_int8", (h, d, c), U8, "proj"),
             TensorSpec(f"{name}.w_uk_scale", (h, 1, c), F32, "scale"),
-            TensorSpec(f"{name}.w_uv_int8", (h, c, v), I8, "proj"),
+            TensorSpec(f"{name}.w_uv_int8", (h, c, v), U8, "proj"),
             TensorSpec(f"{name}.w_uv_scale", (h, 1, v), F32, "scale")]
 
 

@@ -20,7 +20,8 @@ from .json_files import check_version, read_document
 from .onnx_wire import graph_facts
 
 FORMAT = "k2deploy-artifact"
-FORMAT_VERSION = 3  # 2: the latent cache is paged (page_table and <array>_pages inputs); 3: graphs name themselves
+FORMAT_VERSION = 4  # 2: the latent cache is paged (page_table and <array>_pages inputs); 3: graphs name themselves;
+# 4: the int8 lowering's absorbed W_UK / W_UV are bytes code + 128 (exact integer products on every x86 CPU)
 GRAPH_KEY = "k2deploy.graph"  # each .onnx's metadata_props: which graph it is ("embed", "layer_003", "head")
 MANIFEST_FILE = "manifest.json"
 HASH_CHUNK = 8 << 20

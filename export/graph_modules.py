@@ -167,15 +167,16 @@ def _attention_over_widened(attention: model.MLA, q_nope, q_pe, new: tuple, past
 
 
 class AbsorbedInt8(nn.Module):
-    """kv_b_proj taken apart for absorbed attention, as int8: W_UK [h, d, c] and W_UV^T [h, c, v] with one
-    scale per output column (plugins/mla.py `absorbed_int8`); the int8 cache's attention multiplies them."""
+    """kv_b_proj taken apart for absorbed attention, as int8 codes stored as bytes code + 128: W_UK [h, d, c] and
+    W_UV^T [h, c, v] with one scale per output column (plugins/mla.py `absorbed_int8`); the int8 cache's attention
+    multiplies them."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d, v, c = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-        self.register_buffer("w_uk_int8", torch.empty(h, d, c, dtype=torch.int8))
+        self.register_buffer("w_uk_int8", torch.empty(h, d, c, dtype=torch.uint8))
         self.register_buffer("w_uk_scale", torch.empty(h, 1, c))
-        self.register_buffer("w_uv_int8", torch.empty(h, c, v, dtype=torch.int8))
+        self.register_buffer("w_uv_int8", torch.empty(h, c, v, dtype=torch.uint8))
         self.register_buffer("w_uv_scale", torch.empty(h, 1, v))
 
 

@@ -12,7 +12,7 @@ import onnx
 import torch
 
 from .onnx_domain import Body
-from .op_spec import BOOL, FLOAT, FLOAT16, INT8, UINT8, KernelLaunch, OpSpec, Plugin, fixed, is_int, need, tensor
+from .op_spec import BOOL, FLOAT, FLOAT16, UINT8, KernelLaunch, OpSpec, Plugin, fixed, is_int, need, tensor
 
 
 def mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim: int, v_dim: int,
@@ -130,8 +130,9 @@ class _Query:
 
 
 class _Int8Query(_Query):
-    """W_UK and W_UV as int8 per output column (w_uk_codes [h, d, c] with w_uk_scale [h, 1, c]; w_uv_codes
-    [h, c, v] with w_uv_scale [h, 1, v]); the rows they multiply are quantised to uint8 per row on the fly."""
+    """W_UK and W_UV as int8 per output column, stored as bytes code + 128 (w_uk_codes [h, d, c] with w_uk_scale
+    [h, 1, c]; w_uv_codes [h, c, v] with w_uv_scale [h, 1, v]); the rows they multiply are quantised per row on
+    the fly to the same kind of bytes."""
 
     def to_latent(self, q_nope: str) -> str:
         return self._times_int8(q_nope, "w_uk_codes", "w_uk_scale")
@@ -142,7 +143,8 @@ class _Int8Query(_Query):
     def _times_int8(self, rows: str, codes: str, scale: str) -> str:
         b = self.b
         row_codes, row_scale = _quantized_rows(b, rows, 127.0, onnx.TensorProto.UINT8, offset=CODE_ZERO)
-        product = b.node("MatMulInteger", row_codes, codes, b.const(CODE_ZERO, onnx.TensorProto.UINT8))
+        zero = b.const(CODE_ZERO, onnx.TensorProto.UINT8)
+        product = b.node("MatMulInteger", row_codes, codes, zero, zero)
         return b.node("Mul", b.node("Mul", b.node("Cast", product, to=onnx.TensorProto.FLOAT), row_scale), scale)
 
 
@@ -156,18 +158,21 @@ def _times_transposed(b: Body, rows: str, keys: str) -> str:
 
 # -- over an int8 cache read in place (the cpu target) ----------------------------------------------
 
-CODE_ZERO = 128  # the int8 cache stores code q in [-127, 127] as the byte q + 128: ONNX Runtime's fast
-                 # integer products take their left operand as uint8
+CODE_ZERO = 128  # the int8 cache, W_UK and W_UV store code q in [-127, 127] as the byte q + 128, and the rows they
+# meet are quantised to such bytes too: every integer product is uint8 x uint8. ONNX Runtime's uint8 x int8
+# product sums byte pairs in 16 bits on x86 CPUs without VNNI (AVX2, AVX-512 before VNNI) and saturates there
+# (255 x 127 x 2 > 32767: measured off by up to 67,891 in a 512-long sum); uint8 x uint8 is exact on every CPU.
 
 
 def absorbed_int8(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, v_dim: int) -> tuple:
-    """kv_b_weight [h * (d + v), c] float -> W_UK as int8 [h, d, c] with scales [h, 1, c] and W_UV^T as int8
-    [h, c, v] with scales [h, 1, v]: symmetric, absmax / 127 over the dimension each product sums."""
+    """kv_b_weight [h * (d + v), c] float -> W_UK as int8 codes [h, d, c] with scales [h, 1, c] and W_UV^T as int8
+    codes [h, c, v] with scales [h, 1, v]: symmetric, absmax / 127 over the dimension each product sums; each code
+    stored as the uint8 byte code + CODE_ZERO."""
     w_kv = kv_b_weight.float().view(heads, nope_dim + v_dim, -1)
     parts = []
     for weight in (w_kv[:, :nope_dim], w_kv[:, nope_dim:].transpose(1, 2)):
         scale = (weight.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-30)
-        parts += [(weight / scale).round().clamp(-127, 127).to(torch.int8), scale]
+        parts += [((weight / scale).round().clamp(-127, 127) + CODE_ZERO).to(torch.uint8), scale]
     return tuple(parts)
 
 
@@ -176,15 +181,15 @@ def mla_attention_int8_cache_eager(q_nope, q_pe, past_codes, past_scale, past_ro
                                    softmax_scale: float) -> torch.Tensor:
     """past_codes [t, b, c] uint8 (code + 128) with one scale per token past_scale [t, b, 1], past_rope [t, b, r]
     float16 (the cache, time-major); the chunk's own entries as stored, batch-major: new_codes [b, s, c] uint8,
-    new_scale [b, s, 1], new_rope [b, s, r] float16; W_UK and W_UV^T as int8 (see absorbed_int8), mask
+    new_scale [b, s, 1], new_rope [b, s, r] float16; W_UK and W_UV^T as their uint8 bytes (see absorbed_int8), mask
     [b, s, t + s] -> [b, s, h, v]. The new entries are read back exactly as the past is (the chunk's own entries
     are attended as stored)."""
     codes = torch.cat([past_codes.transpose(0, 1), new_codes], dim=1)  # [b, t + s, c]
     scale = torch.cat([past_scale.transpose(0, 1), new_scale], dim=1)  # [b, t + s, 1]
     latent = (codes.float() - CODE_ZERO) * scale
     rope = torch.cat([past_rope.transpose(0, 1), new_rope], dim=1).float()
-    w_uk = w_uk_codes.float() * w_uk_scale  # [h, d, c]
-    w_uv = (w_uv_codes.float() * w_uv_scale).transpose(1, 2)  # [h, v, c]
+    w_uk = (w_uk_codes.float() - CODE_ZERO) * w_uk_scale  # [h, d, c]
+    w_uv = ((w_uv_codes.float() - CODE_ZERO) * w_uv_scale).transpose(1, 2)  # [h, v, c]
     kv_b_weight = torch.cat([w_uk, w_uv], dim=1).reshape(-1, w_uk.shape[-1])
     return mla_attention_eager(q_nope, q_pe, latent, rope, kv_b_weight, mask, nope_dim, v_dim, softmax_scale)
 
@@ -202,8 +207,8 @@ ATTENTION_INT8_CACHE = OpSpec(
     {**_QUERY, "past_codes": tensor("t b c", UINT8), "past_scale": tensor("t b 1", FLOAT),
      "past_rope": tensor("t b r", FLOAT16), "new_codes": tensor("b s c", UINT8), "new_scale": tensor("b s 1", FLOAT),
      "new_rope": tensor("b s r", FLOAT16),
-     "w_uk_codes": tensor("h nope_dim c", INT8), "w_uk_scale": tensor("h 1 c", FLOAT),
-     "w_uv_codes": tensor("h c v_dim", INT8), "w_uv_scale": tensor("h 1 v_dim", FLOAT),
+     "w_uk_codes": tensor("h nope_dim c", UINT8), "w_uk_scale": tensor("h 1 c", FLOAT),
+     "w_uv_codes": tensor("h c v_dim", UINT8), "w_uv_scale": tensor("h 1 v_dim", FLOAT),
      "mask": tensor("b s keys", BOOL)},
     _OUT, _ATTENTION_ATTRIBUTES, _check_int8_cache_attention)
 mla_attention_int8_cache = ATTENTION_INT8_CACHE.torch_op("mla_attention_int8_cache", mla_attention_int8_cache_eager)
@@ -211,7 +216,7 @@ mla_attention_int8_cache = ATTENTION_INT8_CACHE.torch_op("mla_attention_int8_cac
 
 def mla_attention_int8_cache_function(heads: int, nope_dim: int, v_dim: int, softmax_scale: float) -> onnx.FunctionProto:
     """Scores and values over the cached codes as they are, in integer arithmetic: the absorbed queries and the
-    probabilities are quantised per row (int8 and uint8, symmetric), multiplied with the uint8 codes by
+    probabilities are quantised per row (as bytes code + 128 and as uint8), multiplied with the uint8 codes by
     MatMulInteger, and the per-row and per-token scales are applied to the small [b, s*h, t + s] results. The
     chunk's own entries are attended as stored: their codes, scales and float16 rope go through the same products
     as the past's. They are multiplied apart (the past is never widened, rescaled or copied) and the int32
@@ -226,13 +231,14 @@ def mla_attention_int8_cache_function(heads: int, nope_dim: int, v_dim: int, sof
                    b.node("Transpose", "new_scale", perm=[0, 2, 1]), axis=2)  # [b, 1, t + s]
     past_rope = b.node("Cast", b.node("Transpose", "past_rope", perm=[1, 0, 2]), to=onnx.TensorProto.FLOAT)
     new_rope = b.node("Cast", "new_rope", to=onnx.TensorProto.FLOAT)
-    q_codes, q_scale = _quantized_rows(b, query.latent, 127.0, onnx.TensorProto.INT8)  # [b, s*h, c], [b, s*h, 1]
+    # [b, s*h, c] bytes, [b, s*h, 1]
+    q_codes, q_scale = _quantized_rows(b, query.latent, 127.0, onnx.TensorProto.UINT8, offset=CODE_ZERO)
     q_codes = b.node("Transpose", q_codes, perm=[0, 2, 1])  # [b, c, s*h]
 
     def scored(codes: str, rope: str) -> str:
         """[b, k, c] codes, [b, k, r] rope -> unscaled latent scores [b, s*h, k] float32 and rope scores."""
-        # transposed, so that the cached codes are the uint8 left operand: [b, k, c] x [b, c, s*h]
-        products = b.node("Transpose", b.node("MatMulInteger", codes, q_codes, zero), perm=[0, 2, 1])
+        # transposed, so that the cached codes are the left operand, read in place: [b, k, c] x [b, c, s*h]
+        products = b.node("Transpose", b.node("MatMulInteger", codes, q_codes, zero, zero), perm=[0, 2, 1])
         return b.node("Cast", products, to=onnx.TensorProto.FLOAT), _times_transposed(b, query.pe, rope)
 
     (past_latent, past_pe), (new_latent, new_pe) = scored(past_codes, past_rope), scored("new_codes", new_rope)

@@ -19,7 +19,7 @@ from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E40
 def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     data = manifest.data
-    assert data["format_version"] == 3 and data["complete"]
+    assert data["format_version"] == 4 and data["complete"]
     assert [g["layer"] for g in data["graphs"]["layers"]] == [0, 1, 2]
     assert [g["structure"] for g in data["graphs"]["layers"]] == ["dense", "moe", "moe"]
     for relative, record in data["files"].items():
