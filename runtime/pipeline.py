@@ -20,6 +20,7 @@ from ..core.placement import Stage as Placement
 from .batch_forward import logits_at
 from .cache import Cache, SlotView, pages_for
 from .ort_backend import OrtModel
+from .stage_messages import pack, unpack
 
 
 class StageRunner:
@@ -60,17 +61,18 @@ class StageRunner:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.model.logits(hidden)
 
-    def step(self, message: tuple | None) -> tuple | np.ndarray | None:
-        """One stage of a compiled step (`ray_compiled.CompiledStep`): message (inputs, positions, valid,
-        page_table, last) -> the same with this stage's hidden as inputs, or on the last stage the logits that
-        `logits_at` gives for `last`; None (the graph run empty once, when compiled) -> None."""
+    def step(self, message: bytes | None) -> bytes | None:
+        """One stage of a compiled step (`ray_compiled.CompiledStep`): a message of (inputs, positions, valid,
+        page_table, last) -> the same with this stage's hidden as inputs, or on the last stage a message of the
+        logits that `logits_at` gives for `last` (runtime/stage_messages.py); None (the graph run empty once, when
+        compiled) -> None."""
         if message is None:
             return None
-        inputs, positions, valid, page_table, last = message
+        inputs, positions, valid, page_table, last = unpack(message)
         hidden = self.forward(inputs, positions, valid, page_table)
         if not self.model.last:
-            return hidden, positions, valid, page_table, last
-        return logits_at(self.model.logits, hidden, last)
+            return pack((hidden, positions, valid, page_table, last))
+        return pack((logits_at(self.model.logits, hidden, last),))
 
     def stage_seconds(self) -> dict[str, float]:
         return dict(self.model.stage_seconds)
@@ -119,6 +121,9 @@ class LocalStages:
     def problem(self) -> str | None:
         return None
 
+    def release(self) -> None:
+        """Stages in this process hold nothing between steps."""
+
 
 class PipelineCache(Cache):
     """The driver's side of a pipeline's cache: the slots, their page tables and the prefix index; each stage holds
@@ -162,6 +167,11 @@ class PipelineModel:
     def problem(self) -> str | None:
         """None while every stage is up; else what is wrong, in one line (`/health` reports it)."""
         return self.stages.problem()
+
+    def release_idle(self) -> None:
+        """Frees what the stages hold only to step fast (a compiled graph's polling actors) while no step comes; the
+        next step takes it back."""
+        self.stages.release()
 
 
 class StageSeconds(dict):

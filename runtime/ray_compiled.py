@@ -2,7 +2,8 @@
 by channels (shared memory between actors of one host), compiled once and run each step with the step's arrays
 as its input, so that a step submits no task and puts nothing in the object store. Each stage's
 `StageRunner.step` passes its hidden state to the next; the last stage runs the head and gives the logits of
-the rows asked for, which alone come back to the driver.
+the rows asked for, which alone come back to the driver. Every message is one bytes object
+(runtime/stage_messages.py), which Ray's channels pass several times faster than a tuple of arrays.
 
 Steps may overlap: the driver submits several micro-batches before it reads the first result, and each actor
 takes them in order, so stage k runs micro-batch i while stage k + 1 runs micro-batch i - 1.
@@ -11,6 +12,8 @@ takes them in order, so stage k runs micro-batch i while stage k + 1 runs micro-
 from __future__ import annotations
 
 import numpy as np
+
+from .stage_messages import pack, unpack
 
 BUFFER_ROWS = 8  # channels start with room for this many rows of a decode step's hidden state or logits
 MIN_BUFFER_BYTES = 1 << 20
@@ -38,13 +41,14 @@ class CompiledStep:
     def submit(self, message: tuple | None):
         """message (token_ids, positions, valid, page_table, last), or None to run the graph empty -> a reference
         to its logits."""
-        return self.graph.execute(message)
+        return self.graph.execute(None if message is None else pack(message))
 
     @staticmethod
-    def result(ref) -> np.ndarray:
+    def result(ref) -> np.ndarray | None:
         """The logits of a submitted step. A dead stage's actor closes the graph's channels, which ends the wait
         with an error; so does a wait past STEP_TIMEOUT_S."""
-        return ref.get(timeout=STEP_TIMEOUT_S)
+        message = ref.get(timeout=STEP_TIMEOUT_S)
+        return None if message is None else unpack(message)[0]
 
     def close(self) -> None:
         self.graph.teardown()

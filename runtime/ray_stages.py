@@ -10,6 +10,11 @@ through Ray's object store instead. A stage that dies fails the forwards that us
 Ray restarts its actor (up to ACTOR_RESTARTS times), which loads its sessions again, `problem()` gives it a
 fresh cache once it answers, and the next step compiles the graph again. No torch is imported here or in the
 actors.
+
+A compiled graph's actors wait for their next message by polling (Ray's shared-memory channels spin with
+sched_yield): each stage actor keeps a core busy, idle or not. `release()` tears the graph down, so that idle
+stages cost nothing; the next step compiles it again (about 0.2 s on 2 CPU cores). The server releases it after
+`serve.engine.IDLE_RELEASE_S` without a request.
 """
 
 from __future__ import annotations
@@ -133,6 +138,10 @@ class RayStages:
             if isinstance(exc, self.ray.exceptions.RayTaskError):
                 raise K2Error(f"a pipeline stage failed in a step: {_first_line(exc.cause or exc)}") from None
             raise K2Error(f"a pipeline stage is down (a step): {_first_line(exc)}") from None
+
+    def release(self) -> None:
+        """Tears the compiled graph down (its actors stop polling for messages); the next step compiles it again."""
+        self._close_graph()
 
     def _through_tasks(self, inputs, positions, valid, page_table, last) -> np.ndarray:
         """One micro-batch as chained actor calls: each stage's hidden goes straight to the next by reference."""

@@ -23,6 +23,7 @@ from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.pipeline import StageRunner
 from k2deploy.runtime.placed import load_placed
 from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.stage_messages import pack, unpack
 from k2deploy.runtime.backends import load_backend
 
 ray = pytest.importorskip("ray")
@@ -63,6 +64,44 @@ def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_ad
     _same_logits_and_tokens(whole, placed)
 
 
+def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compiles_it(tiny_artifacts, ray_address,
+                                                                                     monkeypatch):
+    from k2deploy.runtime.requests import GenerationRequest
+    from k2deploy.runtime.serve import engine as serve_engine
+    from k2deploy.runtime.serve.metrics import ServerMetrics
+
+    monkeypatch.setattr(serve_engine, "IDLE_WAIT_S", 0.05)
+    monkeypatch.setattr(serve_engine, "IDLE_RELEASE_S", 0.2)
+    whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[1], ray_address)
+    stages = placed.model.stages
+    held_a_graph = []  # at each release: whether there was a compiled graph to let go of
+    release = stages.release
+    stages.release = lambda: (held_a_graph.append(stages.graph is not None), release())
+    engine = serve_engine.Engine(placed.model, max_batch=2, max_context=64, max_queue=4, metrics=ServerMetrics())
+    engine.start()
+
+    def released() -> bool:
+        deadline = time.monotonic() + 30
+        while stages.graph is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return stages.graph is None
+
+    try:
+        assert released()  # started and never asked: the actors stop polling
+        updates = []
+        params = SamplingParams(max_new_tokens=6)
+        engine.submit(GenerationRequest(list(PROMPTS[0]), params, (), None, updates.append))
+        deadline = time.monotonic() + 60
+        while not any(u.finish_reason or u.error for u in updates) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(u.error for u in updates), updates
+        assert [t for u in updates for t in u.token_ids] == whole.generate([PROMPTS[0]], params)[0].token_ids
+        assert released()  # idle again after the request: released again
+        assert held_a_graph == [True, True]  # the request compiled the graph again, once
+    finally:
+        engine.stop()
+
+
 def test_where_no_graph_compiles_one_line_says_so_and_tasks_step(tiny_artifacts, ray_address, monkeypatch, capsys):
     def refuse(*args):
         raise RuntimeError("no channels here")
@@ -79,6 +118,19 @@ def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
     whole, placed = _whole_and_placed(tiny_cpu_artifact, PLACEMENTS[0], ray_address)
     assert np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max() <= 1e-5
     assert placed.model.stage_seconds.keys() >= {"embed", "layer_000", "layer_002", "head"}
+
+
+def test_a_stage_message_gives_back_its_arrays_and_refuses_a_cut_or_padded_one():
+    arrays = (np.array([[5, 17]]), np.arange(6, dtype=np.int32).reshape(2, 3), np.array([[True, False]]),
+              None, np.zeros((0, 4), np.int64), np.linspace(-1, 1, 30, dtype=np.float32).reshape(2, 3, 5))
+    message = pack(arrays)
+    back = unpack(message)
+    assert len(back) == len(arrays)
+    for sent, got in zip(arrays, back):
+        assert (got is None) if sent is None else (got.dtype == sent.dtype and np.array_equal(got, sent))
+    for bad in (b"", message[:-8], message + bytes(8), b"\x01\x09\x01" + bytes(13)):
+        with pytest.raises(K2Error, match="pipeline stage message is malformed"):
+            unpack(bad)
 
 
 def test_a_placement_that_does_not_fit_says_what_would(tiny_artifacts):

@@ -2,7 +2,9 @@
 (`runtime/step_loop.py`, the same loop `k2deploy generate` runs).
 
 The HTTP side submits requests; the thread steps while any wait or run, and sleeps otherwise. Coming
-out of idle, the first step waits BURST_WINDOW_S, so that requests sent together prefill together.
+out of idle, the first step waits BURST_WINDOW_S, so that requests sent together prefill together. After
+IDLE_RELEASE_S without work the model lets go of what it holds only to step fast (Ray stages: the compiled graph,
+whose actors poll a core each while they wait; `runtime/ray_stages.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from .metrics import ServerMetrics
 
 IDLE_WAIT_S = 0.25
 BURST_WINDOW_S = 0.02  # from idle, the first step waits this long for requests sent at the same moment
+IDLE_RELEASE_S = 10.0  # idle this long, the model releases its step-time holdings (the next step takes them back)
 
 log = logging.getLogger("k2deploy.serve")
 
@@ -75,9 +78,14 @@ class Engine:
 
     def _run(self) -> None:
         scheduler = self.loop.scheduler
+        release = getattr(self.model, "release_idle", None)  # models with nothing to release have none
+        last_step, released = time.monotonic(), False
         while not self.stopping.is_set():
             idle = not scheduler.running()
             if not scheduler.wait_for_work(IDLE_WAIT_S):
+                if release is not None and not released and time.monotonic() - last_step >= IDLE_RELEASE_S:
+                    release()
+                    released = True
                 continue
             if idle:  # the first request after a pause: let the rest of its burst arrive and prefill with it
                 time.sleep(BURST_WINDOW_S)
@@ -86,6 +94,7 @@ class Engine:
             except Exception as exc:  # a bug, not a bad request: fail who is running, keep serving
                 log.exception("engine step failed")
                 self.loop.fail_all(exc)
+            last_step, released = time.monotonic(), False
             self._observe()
 
     def _observe(self) -> None:
