@@ -21,6 +21,7 @@ from .batch_forward import logits_at
 from .cache import Cache, SlotView, pages_for
 from .ort_backend import OrtModel
 from .stage_messages import pack, unpack
+from .thread_pool import pin_to_share
 
 
 class StageRunner:
@@ -28,13 +29,17 @@ class StageRunner:
     cache."""
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
-                 device_id: int | None = None, host_share: int = 1):
-        """host_share: how many stage processes share this stage's host (they divide its cores when threads is None).
-        Of the graphs' files the stage hashes only its own (the other stages' are checked for their size)."""
+                 device_id: int | None = None, host_share: int = 1, host_index: int = 0):
+        """host_share: how many stage processes share this stage's host, host_index: this one's place among them;
+        with several, each keeps to its own share of the host's cores (`thread_pool.pin_to_share`) and its pool
+        takes that many threads when threads is None. Of the graphs' files the stage hashes only its own (the other
+        stages' are checked for their size)."""
+        self.cpus = pin_to_share(host_index, host_share)
         manifest = load_manifest(artifact, hash_graphs=False)
         manifest.verify(manifest.graph_files(stage_graphs(manifest, placement)))
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
-                              layers=range(placement.start, placement.stop), device_id=device_id, host_share=host_share)
+                              layers=range(placement.start, placement.stop), device_id=device_id,
+                              host_share=host_share if self.cpus is None else 1)  # pinned: its cores are its own
         self.store = None
 
     def allocate(self, pages: int) -> int:
@@ -45,6 +50,10 @@ class StageRunner:
     def threads(self) -> int:
         """The size of this stage's process's intra-op thread pool."""
         return self.model.threads
+
+    def pinned_cpus(self) -> list[int] | None:
+        """The CPUs this stage's process keeps to, or None where it is not pinned."""
+        return None if self.cpus is None else sorted(self.cpus)
 
     def ready(self) -> bool:
         """Whether the stage has its cache pages (a restarted Ray actor has none until `allocate` again)."""

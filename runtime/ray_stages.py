@@ -82,15 +82,17 @@ class RayStages:
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
         self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]
         self.actors = []
-        per_host = Counter(p.host for p in placements)  # actors on one host divide its cores between their pools
-        for name, placement in zip(self.names, placements):
+        per_host = Counter(p.host for p in placements)  # actors on one host divide its cores between them
+        index_on_host = [sum(p.host == placement.host for p in placements[:i]) for i, placement in enumerate(placements)]
+        for name, placement, host_index in zip(self.names, placements, index_on_host):
             gpu = placement.device != "cpu"
             options = {"name": name, "namespace": NAMESPACE, "max_restarts": ACTOR_RESTARTS, "max_task_retries": 0,
                        "num_cpus": 0, "num_gpus": 1 if gpu else 0,  # the stage's own thread pool sizes its CPU use
                        **_on_host(nodes, placement)}
             # Ray shows a GPU actor its one GPU as device 0
             self.actors.append(remote.options(**options).remote(artifact, placement, provider, threads,
-                                                                0 if gpu else device_id(placement), per_host[placement.host]))
+                                                                0 if gpu else device_id(placement), per_host[placement.host],
+                                                                host_index))
         self._get([actor.ready.remote() for actor in self.actors], "loading")
         self.graph = None
         self.compiled = compiled

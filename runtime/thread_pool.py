@@ -24,20 +24,50 @@ from .memory_arena import use_shared_arena
 _pool_threads: int | None = None  # the size of this process's pool once it is made
 
 
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (hyperthread siblings count once)."""
+def core_cpus() -> list[list[int]]:
+    """The CPUs this process may run on, grouped by physical core (hyperthread siblings together), in CPU order."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except AttributeError:
-        return os.cpu_count() or 1
-    cores = set()
+        return [[cpu] for cpu in range(os.cpu_count() or 1)]
+    cores: dict[tuple[str, str], list[int]] = {}
     for cpu in cpus:
         topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
         try:
-            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
         except OSError:  # no topology (containers, other systems): every CPU a core
-            cores.add(("cpu", str(cpu)))
-    return max(1, len(cores))
+            key = ("cpu", str(cpu))
+        cores.setdefault(key, []).append(cpu)
+    return list(cores.values())
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthread siblings count once)."""
+    return max(1, len(core_cpus()))
+
+
+def share_cpus(cores: list[list[int]], index: int, share: int) -> set[int]:
+    """The CPUs of the index-th of `share` stage processes on a host whose physical cores are `cores`: contiguous,
+    disjoint runs of whole cores while there are at least as many cores as processes, else one core each in turn."""
+    if share <= len(cores):
+        start, stop = index * len(cores) // share, (index + 1) * len(cores) // share
+        return {cpu for core in cores[start:stop] for cpu in core}
+    return set(cores[index % len(cores)])
+
+
+def pin_to_share(index: int, share: int) -> set[int] | None:
+    """Keeps every thread of this process (those made later inherit it) on its share of the host's cores -> the
+    CPUs, or None where the host has one stage process or the system cannot pin. Stage processes that poll for
+    their next message (Ray's compiled graphs) then do not take turns on the core a computing stage runs on."""
+    if share <= 1 or not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = share_cpus(core_cpus(), index, share)
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), cpus)
+        except OSError:  # a thread that has just ended
+            pass
+    return cpus
 
 
 def default_threads(share: int = 1) -> int:

@@ -24,6 +24,7 @@ from k2deploy.runtime.pipeline import StageRunner
 from k2deploy.runtime.placed import load_placed
 from k2deploy.runtime.sampling import SamplingParams
 from k2deploy.runtime.stage_messages import pack, unpack
+from k2deploy.runtime.thread_pool import core_cpus, share_cpus
 from k2deploy.runtime.backends import load_backend
 
 ray = pytest.importorskip("ray")
@@ -118,6 +119,9 @@ def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
     whole, placed = _whole_and_placed(tiny_cpu_artifact, PLACEMENTS[0], ray_address)
     assert np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max() <= 1e-5
     assert placed.model.stage_seconds.keys() >= {"embed", "layer_000", "layer_002", "head"}
+    actors = placed.model.stages.actors  # two stages on this host: each keeps to its half of the cores
+    expected = [sorted(share_cpus(core_cpus(), i, 2)) for i in range(2)]
+    assert ray.get([actor.pinned_cpus.remote() for actor in actors]) == expected
 
 
 def test_a_stage_message_gives_back_its_arrays_and_refuses_a_cut_or_padded_one():

@@ -92,3 +92,17 @@ def test_physical_cores_counts_a_core_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(thread_pool, "Path", fake_path)
     assert thread_pool.physical_cores() == 2
+
+
+def test_stages_on_one_host_keep_to_disjoint_shares_of_its_cores():
+    cores = [[0, 4], [1, 5], [2, 6], [3, 7]]  # four cores, two hyperthreads each
+    halves = [thread_pool.share_cpus(cores, i, 2) for i in range(2)]
+    assert halves == [{0, 4, 1, 5}, {2, 6, 3, 7}]
+    thirds = [thread_pool.share_cpus(cores, i, 3) for i in range(3)]
+    assert set().union(*thirds) == set(range(8)) and sum(map(len, thirds)) == 8  # every CPU, each once
+    assert all(len(share) % 2 == 0 for share in thirds)  # whole cores: siblings stay together
+    assert [thread_pool.share_cpus(cores, i, 6) for i in range(6)] == [{0, 4}, {1, 5}, {2, 6}, {3, 7}, {0, 4}, {1, 5}]
+
+
+def test_one_stage_on_a_host_is_not_pinned():
+    assert thread_pool.pin_to_share(0, 1) is None
