@@ -41,7 +41,7 @@ def test_decode_with_the_cache_equals_full_recomputation(models, absorb):
 
 def test_routing_uses_the_bias_to_choose_and_the_scores_to_weigh(models):
     gate = models[0].layers[1].mlp.gate
-    x = torch.randn(64, gate.weight.shape[1])
+    x = torch.randn(64, gate.weight.shape[1], generator=torch.Generator().manual_seed(0))  # fixed: no ties by chance
     weights, ids = gate(x)
     scores = torch.sigmoid(x @ gate.weight.T)
     assert torch.equal(ids.sort(-1).values, (scores + gate.e_score_correction_bias).topk(gate.top_k).indices.sort(-1).values)
@@ -57,9 +57,10 @@ def test_grouped_routing_only_chooses_from_the_best_groups(tiny_checkpoint):
     from k2deploy.export.model import Gate
 
     gate = Gate(preset_config("tiny", overrides=["n_group=4", "topk_group=2", "num_experts_per_tok=4"]))
-    torch.nn.init.normal_(gate.weight)
-    torch.nn.init.normal_(gate.e_score_correction_bias, std=0.2)
-    x = torch.randn(32, gate.weight.shape[1])
+    seeded = torch.Generator().manual_seed(0)  # the same draw every run
+    torch.nn.init.normal_(gate.weight, generator=seeded)
+    torch.nn.init.normal_(gate.e_score_correction_bias, std=0.2, generator=seeded)
+    x = torch.randn(32, gate.weight.shape[1], generator=seeded)
     _, ids = gate(x)
     choice = torch.sigmoid(x @ gate.weight.T) + gate.e_score_correction_bias
     group_scores = choice.view(32, 4, 4).topk(2, dim=-1).values.sum(-1)
