@@ -12,7 +12,9 @@ fresh cache once it answers, and the next step compiles the graph again. No torc
 actors.
 
 A compiled graph's actors wait for their next message by polling (Ray's shared-memory channels spin with
-sched_yield): each stage actor keeps a core busy, idle or not. `release()` tears the graph down, so that idle
+sched_yield): each stage actor keeps a core busy, idle or not. Actors that share a host therefore keep to
+disjoint shares of its cores (`StageRunner`, `thread_pool.pin_to_share`), so that a waiting stage does not take
+turns on a computing stage's core. `release()` tears the graph down, so that idle
 stages cost nothing; the next step compiles it again (about 0.2 s on 2 CPU cores). The server releases it after
 `serve.engine.IDLE_RELEASE_S` without a request.
 """
