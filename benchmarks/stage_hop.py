@@ -1,6 +1,7 @@
 """What a pipeline stage hop costs per decoded token: the same artifact decoded unplaced (one process), as
-stages in one process, and as stages on Ray actors (a local Ray started here) stepped through tasks and through
-a compiled graph, at the same thread count.
+stages in one process, and as stages on Ray (a local Ray started here) stepped through tasks and through a
+compiled graph, the latter with every stage on an actor ("all actors") and as the runtime places them (the first
+stage in the driver, the others on actors), at the same thread count.
 
     python benchmarks/stage_hop.py [--preset small] [--stages 2,3] [--batch 1,4] [--context 128] [--steps 40]
 
@@ -97,9 +98,10 @@ def main(argv=None) -> int:
         text = even_placement(layers, count)
         runs[f"{count} stages, one process"] = lambda text=text: load_backend("onnxruntime", manifest, threads=args.threads,
                                                                              placement=text, cache_tokens=tokens)
-        for compiled, how in ((False, "Ray tasks"), (True, "Ray compiled")):
-            runs[f"{count} stages, {how}"] = lambda text=text, compiled=compiled: load_placed(
-                manifest, text, "auto", "cpu", args.threads, tokens, compiled)
+        for compiled, driver_stage, how in ((False, True, "Ray tasks"), (True, False, "Ray compiled, all actors"),
+                                            (True, True, "Ray compiled")):
+            runs[f"{count} stages, {how}"] = lambda text=text, compiled=compiled, driver_stage=driver_stage: load_placed(
+                manifest, text, "auto", "cpu", args.threads, tokens, compiled, driver_stage)
     models = {}
     for name, make in runs.items():
         log(f"loading {name}")
@@ -127,10 +129,10 @@ def main(argv=None) -> int:
         return 0
     print(f"{args.preset} ({args.target}), decode after {args.context} tokens per row, {args.threads} thread(s) "
           f"per stage, median of {args.steps} steps, best of {args.rounds} rounds")
-    print(f"{'batch':>5} {'run':<26} {'hops':>4} {'ms/step':>8} {'p90':>8} {'x unplaced':>10} {'ms/hop':>7} {'tok/s':>7}")
+    print(f"{'batch':>5} {'run':<36} {'hops':>4} {'ms/step':>8} {'p90':>8} {'x unplaced':>10} {'ms/hop':>7} {'tok/s':>7}")
     for (batch, name), row in rows.items():
         hop = f"{row['ms_per_hop']:.2f}" if row["ms_per_hop"] is not None else "-"
-        print(f"{batch:>5} {name:<26} {row['hops']:>4} {row['median_ms']:>8.2f} {row['p90_ms']:>8.2f} "
+        print(f"{batch:>5} {name:<36} {row['hops']:>4} {row['median_ms']:>8.2f} {row['p90_ms']:>8.2f} "
               f"{row['ratio']:>10.2f} {hop:>7} {row['tokens_per_s']:>7.1f}")
     return 0
 

@@ -2,10 +2,10 @@
 layers on its own device, with its layers' entries of every cache page; only the hidden state [b, s, m] (and
 the rows' page table) crosses from one stage to the next.
 
-The stages run in this process (`LocalStages`) or each in a Ray actor (`ray_stages.RayStages`); the
-driver holds no weights and no cache entries, only the slots, their page tables and the prefix index
-(`PipelineCache`). A `StageRunner`
-is the same object in both: in a Ray actor it is the actor's state.
+The stages run in this process (`LocalStages`) or on Ray (`ray_stages.RayStages`: a first stage on the CPUs of the
+driver's host runs in the driver, every other stage in a Ray actor). The driver's cache bookkeeping is the slots,
+their page tables and the prefix index (`PipelineCache`); each stage holds its own layers' entries. A `StageRunner`
+is the same object everywhere: in a Ray actor it is the actor's state.
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ class StageRunner:
     cache."""
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
-                 device_id: int | None = None, host_share: int = 1, host_index: int = 0):
+                 device_id: int | None = None, host_share: int = 1, host_index: int = 0, pin: bool = True):
         """host_share: how many stage processes share this stage's host, host_index: this one's place among them;
-        with several, each keeps to its own share of the host's cores (`thread_pool.pin_to_share`) and its pool
-        takes that many threads when threads is None. Of the graphs' files the stage hashes only its own (the other
-        stages' are checked for their size)."""
-        self.cpus = pin_to_share(host_index, host_share)
+        with several, each keeps to its own share of the host's cores (`thread_pool.pin_to_share`; not with pin
+        False, the driver's own stage, whose process does more than this stage) and its pool takes that many threads
+        when threads is None. Of the graphs' files the stage hashes only its own (the other stages' are checked for
+        their size)."""
+        self.cpus = pin_to_share(host_index, host_share) if pin else None
         manifest = load_manifest(artifact, hash_graphs=False)
         manifest.verify(manifest.graph_files(stage_graphs(manifest, placement)))
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,

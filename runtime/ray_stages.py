@@ -1,10 +1,13 @@
-"""Pipeline stages on Ray actors: each stage's sessions and slice of the cache live in one actor on its device
-(a GPU stage asks Ray for one GPU; a stage of host N runs on the N-th node); the driver holds neither.
+"""Pipeline stages on Ray: each stage's sessions and slice of the cache live in one actor on its device (a GPU
+stage asks Ray for one GPU; a stage of host N runs on the N-th node), except a first stage on the CPUs of the
+driver's own host, which runs in the driver (as a serving engine's driver worker does): on a decode step the driver
+would otherwise only wait, and a stage in it saves a hop and an actor that polls for its next message.
 
 Before any actor loads, each stage checks its own host's memory for its weights and its share of the cache.
-A step runs as a Ray Compiled Graph (`ray_compiled.CompiledStep`): the stages chained by channels, the last one
-running the head, so that only the logits of the rows asked for come back; a batch of several rows goes as
-micro-batches, one per stage, in flight together so that the stages work at the same time. Where Ray cannot
+A step runs as a Ray Compiled Graph (`ray_compiled.CompiledStep`): the driver's stage first, then the actors'
+stages chained by channels, the last one running the head, so that only the logits of the rows asked for come
+back; a batch of several rows goes as micro-batches, one per stage, in flight together so that the stages work at
+the same time (the driver runs micro-batch i + 1 while the actors run micro-batch i). Where Ray cannot
 compile the graph, one line says so at start and each step chains the stages' calls by object reference
 through Ray's object store instead. A stage that dies fails the forwards that used it and closes the graph;
 Ray restarts its actor (up to ACTOR_RESTARTS times), which loads its sessions again, `problem()` gives it a
@@ -14,7 +17,8 @@ actors.
 A compiled graph's actors wait for their next message by polling (Ray's shared-memory channels spin with
 sched_yield): each stage actor keeps a core busy, idle or not. Actors that share a host therefore keep to
 disjoint shares of its cores (`StageRunner`, `thread_pool.pin_to_share`), so that a waiting stage does not take
-turns on a computing stage's core. `release()` tears the graph down, so that idle
+turns on a computing stage's core; the driver's stage counts as one of them (its pool takes its share of the
+cores; the driver itself is not pinned: it does more than its stage). `release()` tears the graph down, so that idle
 stages cost nothing; the next step compiles it again (about 0.2 s on 2 CPU cores). The server releases it after
 `serve.engine.IDLE_RELEASE_S` without a request.
 """
@@ -68,10 +72,11 @@ class RayStages:
     """The stages as Ray actors, in placement order."""
 
     def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None,
-                 check_memory, row_bytes: int, compiled: bool = True):
+                 check_memory, row_bytes: int, compiled: bool = True, driver_stage: bool = True):
         """check_memory(index, placement): raises a K2Error where the stage does not fit; it runs on the stage's
         host. row_bytes: one row's hidden state or logits, whichever is larger (sizes the graph's channels).
-        compiled False: the task path, without trying a compiled graph (benchmarks compare the two)."""
+        compiled False: the task path, without trying a compiled graph (benchmarks compare the two).
+        driver_stage False: the first stage on an actor too, wherever it is (benchmarks compare the two)."""
         import ray
 
         self.ray = ray
@@ -80,13 +85,16 @@ class RayStages:
         self.row_bytes = row_bytes
         nodes = _nodes_by_host(ray, max(p.host for p in placements) + 1)
         self._check_hosts(check_memory, nodes)
+        per_host = Counter(p.host for p in placements)  # the stages of one host divide its cores between them
+        index_on_host = [sum(p.host == placement.host for p in placements[:i]) for i, placement in enumerate(placements)]
+        in_driver = driver_stage and _runs_in_driver(ray, nodes, placements)
+        self.first_actor = 1 if in_driver else 0  # the placement index of the first actor's stage
         remote = ray.remote(StageRunner)
         prefix = f"k2deploy-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # the driver pid: whose stages these are
-        self.names = [f"{prefix}-stage-{i}" for i in range(len(placements))]
+        self.names = [f"{prefix}-stage-{i}" for i in range(self.first_actor, len(placements))]
         self.actors = []
-        per_host = Counter(p.host for p in placements)  # actors on one host divide its cores between them
-        index_on_host = [sum(p.host == placement.host for p in placements[:i]) for i, placement in enumerate(placements)]
-        for name, placement, host_index in zip(self.names, placements, index_on_host):
+        for name, placement, host_index in zip(self.names, placements[self.first_actor:],
+                                               index_on_host[self.first_actor:]):
             gpu = placement.device != "cpu"
             options = {"name": name, "namespace": NAMESPACE, "max_restarts": ACTOR_RESTARTS, "max_task_retries": 0,
                        "num_cpus": 0, "num_gpus": 1 if gpu else 0,  # the stage's own thread pool sizes its CPU use
@@ -95,6 +103,9 @@ class RayStages:
             self.actors.append(remote.options(**options).remote(artifact, placement, provider, threads,
                                                                 0 if gpu else device_id(placement), per_host[placement.host],
                                                                 host_index))
+        # loads while the actors load theirs
+        self.local = (StageRunner(artifact, placements[0], provider, threads, None, per_host[placements[0].host], 0,
+                                  pin=False) if in_driver else None)
         self._get([actor.ready.remote() for actor in self.actors], "loading")
         self.graph = None
         self.compiled = compiled
@@ -117,25 +128,28 @@ class RayStages:
 
     def allocate(self, pages: int) -> int:
         self.pages = pages
-        return sum(self._get([actor.allocate.remote(pages) for actor in self.actors], "allocating the cache"))
+        local = self.local.allocate(pages) if self.local else 0
+        return local + sum(self._get([actor.allocate.remote(pages) for actor in self.actors], "allocating the cache"))
 
     def threads(self) -> list[int]:
-        return self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
+        local = [self.local.threads()] if self.local else []
+        return local + self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
 
     def forward_logits(self, token_ids, positions, valid, page_table, last) -> np.ndarray:
         """The rows as up to one micro-batch per stage, all in flight at once: while stage k runs micro-batch i,
         stage k + 1 runs micro-batch i - 1 (each actor takes them in order) -> the logits `logits_at` gives."""
-        parts = np.array_split(np.arange(len(page_table)), min(len(page_table), len(self.actors)))
-        messages = [(token_ids[p], positions[p], valid[p], page_table[p], None if last is None else last[p])
-                    for p in parts]
+        parts = np.array_split(np.arange(len(page_table)), min(len(page_table), len(self.placements)))
+        messages = ((token_ids[p], positions[p], valid[p], page_table[p], None if last is None else last[p])
+                    for p in parts)
         if not self.compiled:
-            return np.concatenate([self._through_tasks(*message) for message in messages])
+            return np.concatenate([self._through_tasks(*self._through_driver(message)) for message in messages])
         try:
             if self.graph is None:  # closed by a fault: the stages are back (`problem`), compile it again
                 self.graph, why_not = compile_step(self.actors, self.row_bytes)
                 if self.graph is None:
                     raise K2Error(f"a pipeline stage is down (compiling the step): {why_not}")
-            refs = [self.graph.submit(message) for message in messages]
+            # the driver's stage runs micro-batch i + 1 while the actors run micro-batch i
+            refs = [self.graph.submit(self._through_driver(message)) for message in messages]
             return np.concatenate([self.graph.result(ref) for ref in refs])
         except self.ray.exceptions.RayError as exc:
             self._close_graph()
@@ -146,6 +160,13 @@ class RayStages:
     def release(self) -> None:
         """Tears the compiled graph down (its actors stop polling for messages); the next step compiles it again."""
         self._close_graph()
+
+    def _through_driver(self, message: tuple) -> tuple:
+        """A micro-batch's message for the first actor: its inputs through the driver's stage where there is one."""
+        if self.local is None:
+            return message
+        inputs, positions, valid, page_table, last = message
+        return self.local.forward(inputs, positions, valid, page_table), positions, valid, page_table, last
 
     def _through_tasks(self, inputs, positions, valid, page_table, last) -> np.ndarray:
         """One micro-batch as chained actor calls: each stage's hidden goes straight to the next by reference."""
@@ -164,15 +185,19 @@ class RayStages:
                 pass
 
     def stage_seconds(self) -> dict[str, float]:
-        seconds = self._get([actor.stage_seconds.remote() for actor in self.actors], "reading timings")
+        seconds = [self.local.stage_seconds()] if self.local else []
+        seconds += self._get([actor.stage_seconds.remote() for actor in self.actors], "reading timings")
         return {name: s for stage in seconds for name, s in stage.items()}
 
     def clear_stage_seconds(self) -> None:
+        if self.local:
+            self.local.clear_stage_seconds()
         self._get([actor.clear_stage_seconds.remote() for actor in self.actors], "clearing timings")
 
     def problem(self) -> str | None:
-        """None when every stage answers with its cache (a restarted one is given a fresh cache here first)."""
-        for i, (actor, placement) in enumerate(zip(self.actors, self.placements)):
+        """None when every actor's stage answers with its cache (a restarted one is given a fresh cache here first);
+        the driver's own stage is up while the driver is."""
+        for i, (actor, placement) in enumerate(zip(self.actors, self.placements[self.first_actor:]), self.first_actor):
             where = f"pipeline stage {i} (layers {placement.start}:{placement.stop} on {placement.name})"
             try:
                 ready = self.ray.get(actor.ready.remote(), timeout=PING_TIMEOUT_S)
@@ -201,6 +226,15 @@ def _nodes_by_host(ray, hosts: int) -> list[str] | None:
     if len(nodes) < hosts:
         raise K2Error(f"the placement uses {hosts} hosts, the Ray cluster has {len(nodes)} nodes")
     return [n["NodeID"] for n in nodes[:hosts]]
+
+
+def _runs_in_driver(ray, nodes: list[str] | None, placements: list[Placement]) -> bool:
+    """Whether the first stage runs in the driver: a CPU stage, not the only one, on the driver's own host (any
+    node where every stage is on host 0)."""
+    first = placements[0]
+    if len(placements) < 2 or first.device != "cpu":
+        return False
+    return nodes is None or nodes[first.host] == ray.get_runtime_context().get_node_id()
 
 
 def _call(function, *args) -> None:

@@ -60,8 +60,9 @@ def _same_logits_and_tokens(whole, placed):
 @pytest.mark.parametrize("cache", ["fp8", "bf16"])
 def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_address, cache, placement, on_ray):
     whole, placed = _whole_and_placed(tiny_artifacts[cache], placement, ray_address if on_ray else None)
-    if on_ray:  # a step is one run of a compiled graph, not tasks
+    if on_ray:  # a step is one run of a compiled graph, not tasks; the first stage runs in this process
         assert placed.model.stages.graph is not None
+        assert placed.model.stages.local is not None and len(placed.model.stages.actors) == placement.count(",")
     _same_logits_and_tokens(whole, placed)
 
 
@@ -119,9 +120,18 @@ def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
     whole, placed = _whole_and_placed(tiny_cpu_artifact, PLACEMENTS[0], ray_address)
     assert np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max() <= 1e-5
     assert placed.model.stage_seconds.keys() >= {"embed", "layer_000", "layer_002", "head"}
-    actors = placed.model.stages.actors  # two stages on this host: each keeps to its half of the cores
-    expected = [sorted(share_cpus(core_cpus(), i, 2)) for i in range(2)]
-    assert ray.get([actor.pinned_cpus.remote() for actor in actors]) == expected
+    stages = placed.model.stages  # two stages on this host: the first in this process (not pinned: the process does
+    assert stages.local is not None and stages.local.pinned_cpus() is None  # more), the second on an actor that
+    # keeps to the second share of the cores
+    assert ray.get([actor.pinned_cpus.remote() for actor in stages.actors]) == [sorted(share_cpus(core_cpus(), 1, 2))]
+
+
+def test_every_stage_on_an_actor_when_asked(tiny_artifacts, ray_address):
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    whole = Generator(OrtModel(manifest, threads=1))
+    placed = Generator(load_placed(manifest, PLACEMENTS[1], ray_address, "cpu", 1, 4096, driver_stage=False))
+    assert placed.model.stages.local is None and len(placed.model.stages.actors) == 3
+    _same_logits_and_tokens(whole, placed)
 
 
 def test_a_stage_message_gives_back_its_arrays_and_refuses_a_cut_or_padded_one():
