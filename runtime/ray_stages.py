@@ -69,7 +69,8 @@ def connect(address: str) -> None:
 
 
 class RayStages:
-    """The stages as Ray actors, in placement order."""
+    """The stages in placement order: the first in the driver where it can run there (`local`), the others as Ray
+    actors (`actors`)."""
 
     def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None,
                  check_memory, row_bytes: int, compiled: bool = True, driver_stage: bool = True):
@@ -156,6 +157,9 @@ class RayStages:
             if isinstance(exc, self.ray.exceptions.RayTaskError):
                 raise K2Error(f"a pipeline stage failed in a step: {_first_line(exc.cause or exc)}") from None
             raise K2Error(f"a pipeline stage is down (a step): {_first_line(exc)}") from None
+        except BaseException:  # the driver's stage failed with micro-batches in flight: their results go unread, so
+            self._close_graph()  # the graph goes (the next step compiles it again) rather than answer out of turn
+            raise
 
     def release(self) -> None:
         """Tears the compiled graph down (its actors stop polling for messages); the next step compiles it again."""

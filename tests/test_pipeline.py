@@ -120,9 +120,10 @@ def test_the_int8_cache_stages_too(tiny_cpu_artifact, ray_address):
     whole, placed = _whole_and_placed(tiny_cpu_artifact, PLACEMENTS[0], ray_address)
     assert np.abs(placed.score(PROMPTS[0]) - whole.score(PROMPTS[0])).max() <= 1e-5
     assert placed.model.stage_seconds.keys() >= {"embed", "layer_000", "layer_002", "head"}
-    stages = placed.model.stages  # two stages on this host: the first in this process (not pinned: the process does
-    assert stages.local is not None and stages.local.pinned_cpus() is None  # more), the second on an actor that
-    # keeps to the second share of the cores
+    # two stages on this host: the first in this process, not pinned (the process does more than its stage); the
+    # second on an actor that keeps to the second share of the cores
+    stages = placed.model.stages
+    assert stages.local is not None and stages.local.pinned_cpus() is None
     assert ray.get([actor.pinned_cpus.remote() for actor in stages.actors]) == [sorted(share_cpus(core_cpus(), 1, 2))]
 
 
@@ -131,6 +132,26 @@ def test_every_stage_on_an_actor_when_asked(tiny_artifacts, ray_address):
     whole = Generator(OrtModel(manifest, threads=1))
     placed = Generator(load_placed(manifest, PLACEMENTS[1], ray_address, "cpu", 1, 4096, driver_stage=False))
     assert placed.model.stages.local is None and len(placed.model.stages.actors) == 3
+    _same_logits_and_tokens(whole, placed)
+
+
+def test_a_driver_stage_that_fails_with_micro_batches_in_flight_leaves_no_result_to_answer_the_next_step(
+        tiny_artifacts, ray_address):
+    whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[0], ray_address)
+    stages = placed.model.stages
+    forward, calls = stages.local.forward, []
+
+    def second_fails(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first micro-batch is on its way through the actor by now
+            raise K2Error("the driver's stage failed")
+        return forward(*args)
+
+    stages.local.forward = second_fails
+    with pytest.raises(K2Error, match="the driver's stage failed"):
+        placed.generate(PROMPTS, SamplingParams(max_new_tokens=2))
+    assert stages.graph is None
+    stages.local.forward = forward
     _same_logits_and_tokens(whole, placed)
 
 
