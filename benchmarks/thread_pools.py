@@ -15,6 +15,11 @@ benchmark that runs other backends between this one's steps. A pool whose thread
 waking them in every parallel region of the next step; `decode_latency.py --threads 1,2`, which runs the other
 backends between steps, measures that case.
 
+Unless --no-bound, each round also times `benchmarks/stream_bound.py`'s native kernel at every thread count (the
+step's int8 weight products alone, each split over the threads, the threads spinning between products; context the
+mean of the generation's, prompt-len + new-tokens / 2): how far a decode step of this model can scale on this host
+whoever runs it. Its rows give its step time as TPOT and its speed-up against its own first thread count.
+
 ONNX Runtime's Python API sizes the global pool but does not expose its spinning (its threads spin briefly before
 they sleep, as a per-session pool's do by default); per-session pools take `session.intra_op.allow_spinning`.
 """
@@ -26,13 +31,18 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
+
+import stream_bound
+from k2deploy.core.manifest import load_manifest
 
 CONFIGS = {
     "one pool": "one global pool shared by every session (the runtime's choice)",
     "per session, spinning": "a pool per session, threads spin between runs (ONNX Runtime's default before)",
     "per session, no spinning": "a pool per session, session.intra_op.allow_spinning = 0",
 }
+BOUND = "native kernel (bound)"  # stream_bound.py's rows
 DEFAULT_ARTIFACT = Path("/tmp/k2deploy-bench/artifacts/small-L4-e64-h8-seed0-cpu-int8")
 
 # One measurement in a fresh process: argv = artifact, config, threads, prompt_len, new_tokens, idle_ms -> one JSON line.
@@ -106,21 +116,30 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens (default 128)")
     parser.add_argument("--idle-ms", type=int, default=0,
                         help="sleep this long before each decode step (default 0: steps back to back, as generate)")
-    parser.add_argument("--configs", default=",".join(CONFIGS),
-                        help=f"configurations, comma-separated (default: all: {', '.join(CONFIGS)})")
+    parser.add_argument("--configs", default=";".join(CONFIGS),
+                        help=f"configurations, separated by ';' (default: all: {'; '.join(CONFIGS)})")
+    parser.add_argument("--no-bound", action="store_true", help="leave out the native kernel's rows (stream_bound.py)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",") if t.strip()]
     artifact = ensure_artifact(args.artifact)
-    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    configs = [c.strip() for c in args.configs.split(";") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown or "one pool" not in configs:
-        parser.error(f"--configs: choose among {', '.join(CONFIGS)}, with 'one pool' (the speed-ups' base)")
+        parser.error(f"--configs: choose among {'; '.join(CONFIGS)} (separated by ';'), with 'one pool' (the "
+                     f"speed-ups' base)")
     runs = {(c, t): [] for c in configs for t in threads}
-    for round_ in range(args.rounds):
-        for key in runs:
-            runs[key].append(measure(artifact, *key, args.prompt_len, args.new_tokens, args.idle_ms))
-        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    bound = {t: [] for t in threads} if not args.no_bound else {}
+    config = load_manifest(artifact, verify_hashes=False).config
+    products = stream_bound.step_products(config, args.prompt_len + args.new_tokens // 2)
+    with tempfile.TemporaryDirectory(prefix="k2deploy-stream-bound-") as folder:
+        kernel = stream_bound.compile_kernel(Path(folder)) if bound else None
+        for round_ in range(args.rounds):
+            for key in runs:
+                runs[key].append(measure(artifact, *key, args.prompt_len, args.new_tokens, args.idle_ms))
+            for t in bound:
+                bound[t].append(stream_bound.run_kernel(kernel, products, t, 100, 5, seed=round_ + 1)["step_ms"])
+            print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     rows = [{"config": c, "threads": t, **{k: statistics.median(r[k] for r in runs[(c, t)])
                                            for k in ("tpot_ms", "ttft_ms", "threads_held")}}
             for c, t in runs]
@@ -129,6 +148,10 @@ def main(argv=None) -> int:
         base = one[threads[0]]
         row["decode_speedup"] = base["tpot_ms"] / row["tpot_ms"]
         row["prefill_speedup"] = base["ttft_ms"] / row["ttft_ms"]
+    for t, times in bound.items():
+        rows.append({"config": BOUND, "threads": t, "tpot_ms": statistics.median(times), "ttft_ms": None,
+                     "threads_held": t, "decode_speedup": statistics.median(bound[threads[0]]) / statistics.median(times),
+                     "prefill_speedup": None})
     if args.json:
         print(json.dumps({"artifact": str(artifact), "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                           "idle_ms": args.idle_ms, "rounds": args.rounds, "rows": rows}, indent=2))
@@ -139,6 +162,10 @@ def main(argv=None) -> int:
     print(f"{'configuration':<26} {'threads':>7} {'TPOT ms':>8} {'TTFT ms':>8} {'decode x':>9} {'prefill x':>10} "
           f"{'threads held':>13}")
     for row in rows:
+        if row["config"] == BOUND:
+            print(f"{row['config']:<26} {row['threads']:>7} {row['tpot_ms']:>8.2f} {'-':>8} "
+                  f"{row['decode_speedup']:>8.2f}x {'-':>10} {row['threads_held']:>13.0f}")
+            continue
         print(f"{row['config']:<26} {row['threads']:>7} {row['tpot_ms']:>8.2f} {row['ttft_ms']:>8.0f} "
               f"{row['decode_speedup']:>8.2f}x {row['prefill_speedup']:>9.2f}x {row['threads_held']:>13.0f}")
     return 0
