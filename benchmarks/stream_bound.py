@@ -1,10 +1,10 @@
 """What one decode step of a model could take on this host at N threads: the step's int8 weight products, one
 after another, through a small native kernel of this script's own, every product split over the N threads.
 
-    . .venv/bin/activate && python benchmarks/stream_bound.py [ART] [--threads 1,2] [--context 640] [--json]
+    . .venv/bin/activate && python benchmarks/stream_bound.py [ART | --preset small] [--threads 1,2] [--context 640] [--json]
 
-(from the repository root; without ART, the `small` artifact that benchmarks/decode_latency.py writes under
-/tmp/k2deploy-bench, made first if missing; only its config is read). The decode step at batch 1, per layer in
+(from the repository root; the model's sizes come from ART's config, else from --preset, default `small`; no
+weights are read). The decode step at batch 1, per layer in
 order: q_a, q_b, kv_a, the absorbed W_UK and W_UV, the latent cache of --context tokens (kv_lora + rope bytes a
 token), o_proj; then the dense MLP (gate, up, down) or the router, the shared experts and k routed experts drawn at
 random from the layer's e (a new draw every step, so the experts come from memory as in decode); last the head.
@@ -32,8 +32,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-
-DEFAULT_ARTIFACT = Path("/tmp/k2deploy-bench/artifacts/small-L4-e64-h8-seed0-cpu-int8")
 
 # argv: threads steps warmup seed, then the products on stdin, one per line: "rows cols group", where group > 0
 # marks the routed experts of a layer: each step draws `chosen` of the group's `count` matrices (line "E count
@@ -247,8 +245,8 @@ def measure(config, threads: list[int], context: int, rounds: int, steps: int, w
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("artifact", nargs="?", type=Path,
-                        help="an artifact, whose config is read (default: decode_latency's small artifact)")
+    parser.add_argument("artifact", nargs="?", type=Path, help="an artifact, whose config gives the sizes")
+    parser.add_argument("--preset", default="small", help="without ART, the sizes of this preset (default small)")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
     parser.add_argument("--context", type=int, default=640, help="cached tokens the step reads (default 640)")
     parser.add_argument("--rounds", type=int, default=5, help="rounds over the thread counts (default 5)")
@@ -261,9 +259,14 @@ def main(argv=None) -> int:
         parser.error(f"--threads {args.threads}: give thread counts separated by commas, e.g. 1,2")
     if not threads or min(threads) < 1 or args.rounds < 1 or args.steps < 1 or args.context < 1:
         parser.error("--threads, --rounds, --steps and --context take positive numbers")
-    from thread_pools import ensure_artifact
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.core.errors import K2Error
     from k2deploy.core.manifest import load_manifest
-    config = load_manifest(ensure_artifact(args.artifact), verify_hashes=False).config
+    try:
+        config = (load_manifest(args.artifact, verify_hashes=False).config if args.artifact
+                  else preset_config(args.preset))
+    except K2Error as exc:
+        parser.error(str(exc))
     results = measure(config, threads, args.context, args.rounds, args.steps)
     if args.json:
         print(json.dumps({"context": args.context, "rounds": args.rounds, "steps": args.steps,

@@ -130,8 +130,8 @@ def main(argv=None) -> int:
                      f"speed-ups' base)")
     runs = {(c, t): [] for c in configs for t in threads}
     bound = {t: [] for t in threads} if not args.no_bound else {}
-    config = load_manifest(artifact, verify_hashes=False).config
-    products = stream_bound.step_products(config, args.prompt_len + args.new_tokens // 2)
+    products = (stream_bound.step_products(load_manifest(artifact, verify_hashes=False).config,
+                                           args.prompt_len + args.new_tokens // 2) if bound else [])
     with tempfile.TemporaryDirectory(prefix="k2deploy-stream-bound-") as folder:
         kernel = stream_bound.compile_kernel(Path(folder)) if bound else None
         for round_ in range(args.rounds):
