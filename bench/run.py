@@ -55,6 +55,7 @@ class BenchOptions:
     placement: str | None = None  # pipeline stages ("auto" or ranges), in this process or on Ray
     ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
     threads: int | None = None  # the intra-op thread pool (and torch's); None: this host's physical cores
+    decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/ort_backend.py)
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3
     warmup: int = 1
@@ -124,13 +125,14 @@ class _Ours:
     """The artifact through k2deploy.runtime, run the way `generate` runs it."""
 
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
-                 placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None):
+                 placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None,
+                 decode: str = "auto"):
         from ..runtime.backends import load_backend
 
         rss = current_rss_bytes()
         started = time.perf_counter()
         self.model = load_backend(backend, manifest, provider=provider, threads=threads, placement=placement, ray=ray,
-                                  cache_tokens=cache_tokens)
+                                  cache_tokens=cache_tokens, decode=decode)
         self.load_seconds = time.perf_counter() - started
         self.weights_rss_bytes = (current_rss_bytes() - rss) if rss is not None else None
         self.vocab = self.model.config.vocab_size
@@ -260,7 +262,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
         ours = _Ours(manifest, options.provider, options.threads, options.backend, options.placement, options.ray,
-                     max(options.batches) * (max(options.prompt_lens) + options.gen_len))
+                     max(options.batches) * (max(options.prompt_lens) + options.gen_len), options.decode)
         record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
         device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
                                  gpu_name=record["gpu"]["name"] if record else None)
@@ -329,6 +331,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         "provider": options.provider,
         "backend": options.backend,
         "threads": ours.model.threads,
+        "decode_kernels": getattr(ours.model, "decode_kernels", None),
         "versions": {"k2deploy": _version("k2deploy"), "onnxruntime": _version("onnxruntime"),
                      "numpy": np.__version__, "python": platform.python_version(),
                      **((baseline_info or {}).get("versions") or {})},

@@ -38,7 +38,8 @@ import stream_bound
 from k2deploy.core.manifest import load_manifest
 
 CONFIGS = {
-    "one pool": "one global pool shared by every session (the runtime's choice)",
+    "one pool": "one global pool shared by every session (the runtime's choice), decode through the native step",
+    "one pool, onnx decode": "one global pool; decode through the graphs too (--decode onnx)",
     "per session, spinning": "a pool per session, threads spin between runs (ONNX Runtime's default before)",
     "per session, no spinning": "a pool per session, session.intra_op.allow_spinning = 0",
 }
@@ -57,7 +58,7 @@ from k2deploy.runtime.sampling import SamplingParams
 
 artifact, config = sys.argv[1], sys.argv[2]
 threads, prompt_len, new_tokens, idle_ms = (int(a) for a in sys.argv[3:7])
-if config != "one pool":  # the sessions get pools of their own instead of the process's one
+if not config.startswith("one pool"):  # the sessions get pools of their own instead of the process's one
     def per_session(threads_asked, share=1):
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -67,7 +68,7 @@ if config != "one pool":  # the sessions get pools of their own instead of the p
         return options
     ort_backend.session_options = per_session
     thread_pool._pool_threads = threads  # what the model reports; no global pool is made
-model = ort_backend.OrtModel(load_manifest(artifact), threads=threads)
+model = ort_backend.OrtModel(load_manifest(artifact), threads=threads, decode="native" if config == "one pool" else "onnx")
 generator = Generator(model)
 prompt = [(i * 37) % 1000 + 3 for i in range(prompt_len)]
 generator.generate([prompt], SamplingParams(max_new_tokens=4))  # warm-up: arenas, kernels

@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
     options = BenchOptions(
         artifact=artifact, batches=_int_list(args.batch, "--batch"), prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
         gen_len=args.gen_len, provider=args.provider, backend=args.backend, placement=args.placement, ray=args.ray,
-        threads=args.threads, baseline=args.baseline,
+        threads=args.threads, decode=args.decode, baseline=args.baseline,
         repeats=args.repeats, warmup=args.warmup, seed=args.seed,
         bandwidth_bytes=args.bandwidth_mib << 20 if args.bandwidth_mib else DEFAULT_BYTES,
         verify_hashes=not args.no_verify, command=" ".join(["k2deploy", "bench", *sys.argv[2:]]))

@@ -145,7 +145,7 @@ def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
 
     manifest = manifest or load_manifest(args.artifact, hash_graphs=not _placed(args))
     return Generator(load_backend(args.backend, manifest, provider=args.provider, threads=args.threads,
-                                  placement=args.placement, ray=args.ray, cache_tokens=positions))
+                                  placement=args.placement, ray=args.ray, cache_tokens=positions, decode=args.decode))
 
 
 def _placed(args: argparse.Namespace) -> bool:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 
 from ..core.targets import BACKENDS, PROVIDERS
+from ..runtime.native_decode import DECODE_KERNELS
 
 
 def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "") -> None:
-    """Adds --backend, --placement, --ray, --provider and --threads to a command that runs an artifact."""
+    """Adds --backend, --placement, --ray, --provider, --threads and --decode to a command that runs an artifact."""
     parser.add_argument("--backend", choices=BACKENDS, default="onnxruntime",
                         help="onnxruntime (default; --provider applies) or tensorrt (the engines of "
                              "`k2deploy build-engines` for this GPU)")
@@ -25,3 +26,7 @@ def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "")
                         help="ONNX Runtime execution provider (default: cpu)")
     parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph"
                                                     f"{threads_help} (default: this host's physical cores)")
+    parser.add_argument("--decode", choices=DECODE_KERNELS, default="auto",
+                        help="how a step of one sequence runs on the cpu provider: native (the C decode step of "
+                             "runtime/native, built once with the system's compiler), onnx (the graphs), auto "
+                             "(default: native where the artifact and host allow it, else the graphs)")

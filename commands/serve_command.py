@@ -124,7 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     context = args.max_context or model_context
     token_bytes = CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer * manifest.config.num_hidden_layers
     model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads, placement=args.placement,
-                         ray=args.ray, cache_tokens=args.max_total_tokens or args.max_batch * context)
+                         ray=args.ray, cache_tokens=args.max_total_tokens or args.max_batch * context, decode=args.decode)
     available = available_memory()  # the weights are loaded: the default pool takes half of what is left
     pool_tokens = args.max_total_tokens or max(PAGE_SIZE, min(args.max_batch * context, available // 2 // token_bytes))
     if pool_tokens * token_bytes > available:
@@ -148,7 +148,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
           f"{pool.page_size}, {pool_tokens * token_bytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, prefix cache "
           f"{'on' if pool.prefix_cache else 'off'}, "
           f"{args.provider if args.backend == 'onnxruntime' else args.backend}"
-          + (f", {model.threads} threads" if model.threads else "") + ")"
+          + (f", {model.threads} threads" if model.threads else "")
+          + (f", decode {model.decode_kernels}" if getattr(model, "decode_kernels", None) else "") + ")"
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)
     logging.basicConfig(format="k2deploy serve: %(levelname)s %(message)s")
     logging.getLogger("k2deploy").setLevel(args.log_level.upper())

@@ -7,6 +7,7 @@ initializers, tensors in node attributes, subgraphs, and the bodies of the model
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import K2Error
@@ -110,4 +111,54 @@ def graph_facts(path: Path) -> tuple[dict[str, str], set[str]]:
         roots += [("function", f, 0) for f in _messages(model, MODEL_FUNCTIONS)]
         return metadata, _external_locations(roots)
     except (WireError, IndexError) as exc:
+        raise K2Error(f"{path}: not a readable ONNX file ({exc}); re-export the artifact") from None
+
+
+TENSOR_DIMS, TENSOR_DATA_TYPE, TENSOR_NAME = 1, 2, 8
+
+
+@dataclass(frozen=True)
+class ExternalTensor:
+    """A graph initializer kept as external data: where its bytes lie."""
+
+    dims: tuple[int, ...]
+    data_type: int  # TensorProto's element type number
+    location: str
+    offset: int
+    length: int
+
+
+def _dims(tensor: memoryview) -> tuple[int, ...]:
+    dims = []
+    for field, wire, value in _fields(tensor):
+        if field != TENSOR_DIMS:
+            continue
+        if wire == 0:
+            dims.append(value)
+        elif wire == 2:  # packed
+            at = 0
+            while at < len(value):
+                dim, at = _varint(value, at)
+                dims.append(dim)
+    return tuple(dims)
+
+
+def external_initializers(path: Path) -> dict[str, ExternalTensor]:
+    """The graph initializers of an ONNX file that are kept as external data, by name; a K2Error if the file is not
+    a readable ONNX file or an entry's offset or length is not a number."""
+    try:
+        model = memoryview(Path(path).read_bytes())
+        found = {}
+        for graph in _messages(model, MODEL_GRAPH):
+            for tensor in _messages(graph, GRAPH_INITIALIZER):
+                data = _entries(tensor, TENSOR_EXTERNAL_DATA)
+                if "location" not in data:
+                    continue
+                name = next((bytes(v).decode("utf-8", "replace") for f, w, v in _fields(tensor)
+                             if f == TENSOR_NAME and w == 2), "")
+                data_type = next((v for f, w, v in _fields(tensor) if f == TENSOR_DATA_TYPE and w == 0), 0)
+                found[name] = ExternalTensor(_dims(tensor), data_type, data["location"], int(data.get("offset", 0)),
+                                             int(data.get("length", -1)))
+        return found
+    except (WireError, IndexError, ValueError) as exc:
         raise K2Error(f"{path}: not a readable ONNX file ({exc}); re-export the artifact") from None

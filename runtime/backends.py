@@ -9,7 +9,7 @@ from .tensorrt.environment import require_tensorrt
 
 
 def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None = None, placement: str | None = None,
-                 ray: str | None = None, cache_tokens: int | None = None):
+                 ray: str | None = None, cache_tokens: int | None = None, decode: str = "auto"):
     """The model of an artifact on backend `name`. provider and threads apply to ONNX Runtime; TensorRT runs
     the engines `k2deploy build-engines` built for this GPU (a K2Error says how to build or install them).
     A placement ("auto" or "0:31@cuda:0,31:61@cuda:1") or a Ray address runs ONNX Runtime stages, each checked
@@ -25,7 +25,7 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
     if name == "onnxruntime":
         from .ort_backend import OrtModel
 
-        return OrtModel(manifest, provider=provider, threads=threads)
+        return OrtModel(manifest, provider=provider, threads=threads, decode=decode)
     if name == "tensorrt":
         artifact_target(manifest.data).check_runnable("tensorrt")
         require_tensorrt()

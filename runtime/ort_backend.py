@@ -17,7 +17,9 @@ from ..core.errors import K2Error
 from ..core.manifest import Manifest
 from ..core.targets import artifact_target
 from .cache import Cache, CacheView, SlotView, pages_for
-from .kv_cache import LatentPages
+from .kv_cache import LatentPages, LatentPagesView
+from .native_build import NativeUnavailable
+from .native_decode import DECODE_KERNELS, NativeDecoder
 from .thread_pool import process_threads, session_options
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
@@ -84,9 +86,13 @@ class OrtModel:
     its decoder layers (with the embedding when it starts at layer 0, the head when it ends at the last)."""
 
     def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
-                 layers: range | None = None, device_id: int | None = None, host_share: int = 1):
+                 layers: range | None = None, device_id: int | None = None, host_share: int = 1,
+                 decode: str = "auto"):
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
-        by host_share, the number of processes running stages on it)."""
+        by host_share, the number of processes running stages on it). decode: how a step of one sequence and one
+        token runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx" through the
+        graphs, "auto" natively where the artifact, provider and host allow it, else through the graphs
+        (`decode_kernels` says which, and why)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
@@ -119,6 +125,21 @@ class OrtModel:
         check_against_graphs(manifest, [*loaded, *zip((entries[i] for i in self.layers), self.layer_sessions)])
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
         self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
+        self.native, self.decode_kernels = self._native_decoder(decode, provider)
+
+    def _native_decoder(self, decode: str, provider: str) -> tuple[NativeDecoder | None, str]:
+        if decode not in DECODE_KERNELS:
+            raise K2Error(f"unknown decode kernels {decode!r}; choose one of {', '.join(DECODE_KERNELS)}")
+        if decode == "onnx":
+            return None, "onnx"
+        try:
+            if provider != "cpu" or not (self.first and self.last):
+                raise NativeUnavailable("it runs the whole model on the cpu provider")
+            return NativeDecoder(self.manifest, self.threads, self.config.max_position_embeddings), "native"
+        except NativeUnavailable as exc:
+            if decode == "native":
+                raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None
+            return None, f"onnx (native: {exc})"
 
     @property
     def num_layers(self) -> int:
@@ -142,6 +163,12 @@ class OrtModel:
     def run(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, entries: CacheView) -> np.ndarray:
         """As forward, through the entries' view. A stage that does not start at layer 0 takes the previous
         stage's hidden [b, s, m] in place of token ids."""
+        if self.native is not None and inputs.shape == (1, 1) and valid[0, 0] and isinstance(entries, LatentPagesView):
+            started = time.perf_counter()
+            hidden = self.native.step(int(inputs[0, 0]), int(positions[0, 0]), entries.page_table[0],
+                                      entries.pages.arrays)
+            self._timed("native_step", started)
+            return hidden.reshape(1, 1, -1)
         if self.first:
             started = time.perf_counter()
             hidden = self.embed_session.run(None, {"token_ids": inputs})[0]
@@ -168,7 +195,10 @@ class OrtModel:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32 (on the stage that ends at the last layer)."""
         started = time.perf_counter()
-        logits = self.head_session.run(None, {"hidden": hidden})[0]
+        if self.native is not None and hidden.shape[:2] == (1, 1):
+            logits = self.native.logits(hidden[0, 0]).reshape(1, 1, -1)
+        else:
+            logits = self.head_session.run(None, {"hidden": hidden})[0]
         self._timed("head", started)
         return logits
 

@@ -1,0 +1,231 @@
+"""The native decode step: one sequence's next token through runtime/native/decode_step.c, beside the ONNX graphs.
+
+At batch 1 a decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more
+time between and around them than in them, and does not split them over threads well (README "Threads"). The
+native step runs the same maths over the artifact's own weights (read in place from its .data files, memory-mapped,
+nothing re-quantised), each product's rows split over a pool of spinning threads, and writes each layer's new
+latent entry into its page, as the layer graph's outputs would be stored. Prefill, batches of several sequences
+and every other artifact still run through the graphs.
+
+What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
+linears: MatMulNBits, int8 blocks of the input dim, activations quantised per block (absmax / 127); attention:
+MlaAttentionInt8Cache over the int8 cache read in place, W_UK and W_UV int8 per output column, the query rows and
+the probabilities quantised per row as the graph does; routing: MoeRoute (sigmoid, correction bias, group limit,
+top-k with ties to the lower id, normalise, scale); experts: QMoE's fused SwiGLU (gate and up rows interleaved),
+activations quantised per block. Its logits agree with the graphs' within a stated tolerance
+(tests/test_native_decode.py), not bit for bit: the order of float sums differs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from ..core.cache_format import PAGE_SIZE
+from ..core.errors import K2Error
+from ..core.manifest import Manifest
+from ..core.onnx_wire import external_initializers
+from .native_build import NativeUnavailable, library
+
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+DECODE_KERNELS = ("auto", "native", "onnx")  # how OrtModel runs one sequence's decode step
+TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("s", _ptr), ("n", _int), ("k", _int), ("block", _int)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [(name, _int) for name in ("hidden", "heads", "nope", "rope", "v", "latent", "q_rank", "vocab", "top_k",
+                                          "n_group", "topk_group", "normalise", "max_len")] + \
+               [(name, _float) for name in ("eps", "softmax_scale", "rope_scale", "scaling")]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("q_norm", _ptr), ("kv_norm", _ptr), ("post_norm", _ptr), ("frequencies", _ptr),
+                ("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("o", Lin), ("w_uk", _ptr), ("w_uv", _ptr),
+                ("uk_s", _ptr), ("uv_s", _ptr), ("moe", _int), ("experts", _int), ("width", _int),
+                ("gate", Lin), ("up", Lin), ("down", Lin), ("router", _ptr), ("bias", _ptr), ("fc1", _ptr),
+                ("fc2", _ptr), ("fc1_s", _ptr), ("fc2_s", _ptr), ("block", _int)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("d", Dims), ("layers", _int), ("layer", ctypes.POINTER(Layer)), ("embed", _ptr),
+                ("final_norm", _ptr), ("head", Lin)]
+
+
+class Pages(ctypes.Structure):
+    _fields_ = [("latent", _ptr), ("scale", _ptr), ("rope", _ptr)]
+
+
+def _address(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+class GraphWeights:
+    """One graph's external initializers as arrays over its memory-mapped .data file, checked against the shapes
+    the native step reads them with."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tensors = external_initializers(path)
+        self.maps: dict[str, np.memmap] = {}
+        self.held: list[np.ndarray] = []  # arrays made here (widened, transposed), kept alive with the model
+
+    def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
+        spec = self.tensors.get(name)
+        if spec is None or spec.dims != shape or spec.data_type not in types:
+            found = "missing" if spec is None else f"{list(spec.dims)} of type {spec.data_type}"
+            raise NativeUnavailable(f"{self.path.name}: {name} is {found}, the native step reads {list(shape)}")
+        file = (self.path.parent / spec.location).resolve()
+        if file.parent != self.path.parent.resolve():
+            raise K2Error(f"{self.path}: {name}'s data lies outside the artifact ({spec.location}); re-export it")
+        if spec.location not in self.maps:
+            self.maps[spec.location] = np.memmap(file, dtype=np.uint8, mode="r")
+        data = self.maps[spec.location]
+        dtype = np.dtype(TYPES[spec.data_type])
+        length = int(np.prod(shape)) * dtype.itemsize
+        if spec.offset < 0 or spec.length not in (-1, length) or spec.offset + length > len(data):
+            raise K2Error(f"{self.path}: {name}'s data ({spec.offset} + {length} bytes) does not fit "
+                          f"{spec.location} ({len(data)} bytes); re-export the artifact")
+        return data[spec.offset:spec.offset + length].view(dtype).reshape(shape)
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 or bfloat16 tensor as float32."""
+        raw = self.array(name, shape, (1, 16))
+        if raw.dtype == np.uint16:
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return self.keep(np.ascontiguousarray(raw, dtype=np.float32))
+
+    def keep(self, array: np.ndarray) -> np.ndarray:
+        self.held.append(array)
+        return array
+
+    def linear(self, name: str, rows: int, cols: int) -> Lin:
+        """`name`.weight_int8 [rows, cols / block, block] and its scales [rows, cols / block]."""
+        spec = self.tensors.get(f"{name}.weight_int8")
+        if spec is None or len(spec.dims) != 3 or not spec.dims[2] or cols % spec.dims[2]:
+            raise NativeUnavailable(f"{self.path.name}: {name} is not an int8 block linear of {cols} inputs")
+        block = spec.dims[2]
+        codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,))
+        scales = self.array(f"{name}.weight_int8_scale", (rows, cols // block), (1,))
+        return Lin(_address(codes), _address(scales), rows, cols, block)
+
+
+class NativeDecoder:
+    """The whole model's decode step at batch 1 over one artifact's weights (a cpu-target artifact with the int8
+    cache, int8 linears and 8-bit routed experts); NativeUnavailable where the artifact or host does not fit."""
+
+    def __init__(self, manifest: Manifest, threads: int, max_len: int):
+        target, cache = manifest.data.get("target"), manifest.kv_cache.get("format")
+        if target != "cpu" or cache != "int8":
+            raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
+                                    f"{cache}")
+        c = self.config = manifest.config
+        if c.q_lora_rank is None:
+            raise NativeUnavailable("it needs q_lora_rank (q_a_proj and q_b_proj)")
+        self.lib = library()
+        self.threads = self.lib.k2_pool_start(threads)
+        self.graphs = [GraphWeights(manifest.graph_file(f"layer_{i:03d}")) for i in range(c.num_hidden_layers)]
+        self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(self.graphs)))
+        embed, head = GraphWeights(manifest.graph_file("embed")), GraphWeights(manifest.graph_file("head"))
+        self.graphs += [embed, head]
+        table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
+        dims = self._dims(max_len)
+        self.model = Model(dims, c.num_hidden_layers, self.layers, _address(table),
+                           _address(head.floats("norm.weight", (c.hidden_size,))),
+                           head.linear("lm_head", c.vocab_size, c.hidden_size))
+        self.max_len = max_len
+        self.scratch = np.zeros(self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads), np.float32)
+
+    def _dims(self, max_len: int) -> Dims:
+        from ..core.config import yarn_mscale
+
+        c = self.config
+        yarn = c.rope_scaling
+        rope_scale = 1.0 if yarn is None else (yarn_mscale(yarn["factor"], yarn.get("mscale", 1))
+                                               / yarn_mscale(yarn["factor"], yarn.get("mscale_all_dim", 0)))
+        return Dims(c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                    c.kv_lora_rank, c.q_lora_rank, c.vocab_size, c.num_experts_per_tok, c.n_group, c.topk_group,
+                    int(bool(c.norm_topk_prob)), max_len, c.rms_norm_eps, c.softmax_scale, rope_scale,
+                    c.routed_scaling_factor)
+
+    def _layer(self, index: int, g: GraphWeights) -> Layer:
+        c = self.config
+        m, h, d, r, v, lat = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                              c.v_head_dim, c.kv_lora_rank)
+        attn = "self_attn."
+        w_uk = g.keep(np.ascontiguousarray(g.array(f"{attn}kv_b_proj.w_uk_int8", (h, d, lat), (2,)).transpose(0, 2, 1)))
+        w_uv = g.keep(np.ascontiguousarray(g.array(f"{attn}kv_b_proj.w_uv_int8", (h, lat, v), (2,)).transpose(0, 2, 1)))
+        layer = Layer(
+            in_norm=_address(g.floats("input_layernorm.weight", (m,))),
+            q_norm=_address(g.floats(f"{attn}q_a_layernorm.weight", (c.q_lora_rank,))),
+            kv_norm=_address(g.floats(f"{attn}kv_a_layernorm.weight", (lat,))),
+            post_norm=_address(g.floats("post_attention_layernorm.weight", (m,))),
+            frequencies=_address(g.floats(f"{attn}rotary.frequencies", (r // 2,))),
+            q_a=g.linear(f"{attn}q_a_proj", c.q_lora_rank, m),
+            q_b=g.linear(f"{attn}q_b_proj", h * (d + r), c.q_lora_rank),
+            kv_a=g.linear(f"{attn}kv_a_proj_with_mqa", lat + r, m),
+            o=g.linear(f"{attn}o_proj", m, h * v),
+            w_uk=_address(w_uk), w_uv=_address(w_uv),
+            uk_s=_address(g.floats(f"{attn}kv_b_proj.w_uk_scale", (h, 1, lat))),
+            uv_s=_address(g.floats(f"{attn}kv_b_proj.w_uv_scale", (h, 1, v))))
+        if not c.is_moe_layer(index):
+            f = c.intermediate_size
+            layer.width = f
+            layer.gate, layer.up = g.linear("mlp.gate_proj", f, m), g.linear("mlp.up_proj", f, m)
+            layer.down = g.linear("mlp.down_proj", m, f)
+            return layer
+        e, f = c.n_routed_experts, c.moe_intermediate_size
+        scale = g.tensors.get("mlp.experts_fc1_scale")
+        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
+            raise NativeUnavailable(f"{g.path.name}: the routed experts are not 8-bit int8 blocks")
+        block = m // scale.dims[2]
+        if f % block:
+            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f}")
+        fc1 = g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,))
+        fc2 = g.array("mlp.experts_fc2_weight", (e, m, f), (2,))
+        layer.moe, layer.experts, layer.width, layer.block = 1, e, f, block
+        layer.fc1, layer.fc2 = _address(fc1), _address(fc2)
+        layer.fc1_s = _address(g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
+        layer.fc2_s = _address(g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
+        layer.router = _address(g.floats("mlp.gate.weight", (e, m)))
+        layer.bias = _address(g.floats("mlp.gate.e_score_correction_bias", (e,)))
+        if c.n_shared_experts:
+            width = f * c.n_shared_experts
+            shared = "mlp.shared_experts."
+            layer.gate, layer.up = g.linear(f"{shared}gate_proj", width, m), g.linear(f"{shared}up_proj", width, m)
+            layer.down = g.linear(f"{shared}down_proj", m, width)
+        return layer
+
+    def step(self, token: int, position: int, page_table: np.ndarray, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """token at position (the sequence holds `position` entries before it), page_table [n] the sequence's
+        pages, arrays the cache's pools by name ([layers, pages, PAGE_SIZE, width]) -> hidden [m], the last layer's
+        output; every layer's new entry lands in its page."""
+        c = self.config
+        if not 0 <= token < c.vocab_size:
+            raise K2Error(f"token id {token} is outside the vocabulary (0..{c.vocab_size - 1})")
+        if not 0 <= position < min(self.max_len, len(page_table) * PAGE_SIZE):
+            raise K2Error(f"position {position} is past the sequence's pages or the model's {self.max_len} positions")
+        latent, scale, rope = arrays["latent"], arrays["latent_scale"], arrays["rope"]
+        table = np.ascontiguousarray(page_table, dtype=np.int64)
+        if table.min() < 0 or table.max() >= latent.shape[1]:
+            raise K2Error("the page table names pages the cache does not hold")
+        pages = (Pages * c.num_hidden_layers)(*(
+            Pages(_address(latent[i]), _address(scale[i]), _address(rope[i])) for i in range(c.num_hidden_layers)))
+        hidden = np.empty(c.hidden_size, np.float32)
+        status = self.lib.k2_decode_step(ctypes.addressof(self.model), token, position, _address(table),
+                                         ctypes.addressof(pages), _address(hidden), _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused token {token} at position {position}")
+        return hidden
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [m] -> logits [vocab] float32: the final norm and the head."""
+        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
+        out = np.empty(self.config.vocab_size, np.float32)
+        self.lib.k2_logits(ctypes.addressof(self.model), _address(hidden), _address(out), _address(self.scratch))
+        return out
