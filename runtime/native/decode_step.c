@@ -10,8 +10,10 @@
  * Every product's rows are split over a pool of threads that spin between the phases of a step and sleep after a
  * while idle. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions, e experts.
  */
+#define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +28,7 @@
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 #define MAX_THREADS 256
 #define MAX_TOP_K 64
+#define MAX_HEADS_PER_THREAD 16
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
 
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
@@ -79,6 +82,9 @@ static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t);
 
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg, seen = atomic_load(&pool.generation);
+    char name[16];
+    snprintf(name, sizeof name, "k2-decode-%d", tid);
+    pthread_setname_np(pthread_self(), name);  /* as top -H and /proc/PID/task/TID/comm show it */
     for (;;) {
         double idle_since = now();
         int spins = 0;
@@ -310,6 +316,66 @@ typedef struct {
     char *scratch; size_t per_thread;
 } Attention;
 
+/* sums [n, c] int32 (n <= MAX_HEADS_PER_THREAD) = the probability bytes p [n, keys] times the latent codes - 128 of each position, exact (as
+   MatMulInteger sums them). A page of the cache at a time: its 64 rows stay in cache while each run of 16 latent
+   columns goes through every head. With VNNI, four positions' bytes are interleaved so that one vpdpbusd adds four
+   products to each of 16 columns. */
+static void values(const Attention *a, int n, int keys, const uint8_t *p, int32_t *sums) {
+    const K2Dims *d = a->d;
+    int c_dim = d->latent;
+    memset(sums, 0, (size_t)n * c_dim * 4);
+    for (int t0 = 0; t0 < keys; t0 += PAGE) {
+        int rows = keys - t0 < PAGE ? keys - t0 : PAGE;
+        const uint8_t *page = a->pages->latent + (size_t)a->table[t0 / PAGE] * PAGE * c_dim;
+#ifdef K2_VNNI
+        if (c_dim % 16 == 0) {
+            uint32_t words[MAX_HEADS_PER_THREAD][PAGE / 4];  /* each head's probability bytes, four positions a word */
+            for (int j = 0; j < n; j++)
+                for (int g = 0; g < PAGE / 4; g++) {
+                    uint32_t w = 0;
+                    for (int k = 0; k < 4; k++) {
+                        int t = 4 * g + k;
+                        w |= (uint32_t)(t < rows ? p[(size_t)j * keys + t0 + t] : 0) << (8 * k);
+                    }
+                    words[j][g] = w;
+                }
+            const __m128i flip = _mm_set1_epi8((char)0x80);
+            for (int c = 0; c < c_dim; c += 16) {
+                __m512i acc[MAX_HEADS_PER_THREAD];
+                for (int j = 0; j < n; j++) acc[j] = _mm512_setzero_si512();
+                for (int g = 0; g < (rows + 3) / 4; g++) {
+                    __m128i r[4];
+                    for (int k = 0; k < 4; k++) {  /* a missing position repeats the first: its probability is 0 */
+                        int t = 4 * g + k < rows ? 4 * g + k : 4 * g;
+                        r[k] = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(page + (size_t)t * c_dim + c)), flip);
+                    }
+                    __m128i lo01 = _mm_unpacklo_epi8(r[0], r[1]), hi01 = _mm_unpackhi_epi8(r[0], r[1]);
+                    __m128i lo23 = _mm_unpacklo_epi8(r[2], r[3]), hi23 = _mm_unpackhi_epi8(r[2], r[3]);
+                    __m512i quad = _mm512_inserti64x4(
+                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23), _mm_unpacklo_epi16(lo01, lo23))),
+                        _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23), _mm_unpacklo_epi16(hi01, hi23)), 1);
+                    for (int j = 0; j < n; j++)
+                        acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_set1_epi32((int)words[j][g]), quad);
+                }
+                for (int j = 0; j < n; j++) {
+                    int32_t *out = sums + (size_t)j * c_dim + c;
+                    _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_loadu_si512(out), acc[j]));
+                }
+            }
+            continue;
+        }
+#endif
+        for (int t = 0; t < rows; t++) {
+            const uint8_t *codes = page + (size_t)t * c_dim;
+            for (int j = 0; j < n; j++) {
+                int32_t weight = p[(size_t)j * keys + t0 + t], *out = sums + (size_t)j * c_dim;
+                if (weight)
+                    for (int c = 0; c < c_dim; c++) out[c] += weight * ((int32_t)codes[c] - 128);
+            }
+        }
+    }
+}
+
 /* Each thread takes a run of heads and walks the cache once for all of them: a token's latent codes and rope key
    are read once per thread, not once per head. */
 static void attention_task(void *arg, int tid, int threads) {
@@ -324,7 +390,7 @@ static void attention_task(void *arg, int tid, int threads) {
     Quant *lat = take(&b, n * sizeof(Quant));
     for (int j = 0; j < n; j++) lat[j] = quant(&b, d->latent, d->latent);
     float *q_lat = take(&b, d->latent * 4), *scores = take(&b, (size_t)n * keys * 4);
-    float *acc = take(&b, (size_t)n * d->latent * 4), *row = take(&b, d->latent * 4), *k_pe = take(&b, d->rope * 4);
+    float *acc = take(&b, (size_t)n * d->latent * 4), *k_pe = take(&b, d->rope * 4);
     float *p_scale = take(&b, n * 4);
     uint8_t *p = take(&b, (size_t)n * keys);
     for (int j = 0; j < n; j++) {  /* q_nope through W_UK, per output column c; quantised per row */
@@ -358,23 +424,14 @@ static void attention_task(void *arg, int tid, int threads) {
         float inverse = 1.0f / p_scale[j];
         for (int t = 0; t < keys; t++) p[(size_t)j * keys + t] = (uint8_t)nearbyintf(s[t] * inverse);
     }
-    memset(acc, 0, (size_t)n * d->latent * 4);
-    for (int t = 0; t < keys; t++) {  /* the values: the probability bytes times the latent codes */
-        const uint8_t *codes = a->pages->latent + ((size_t)a->table[t / PAGE] * PAGE + t % PAGE) * d->latent;
-        int any = 0;
-        for (int j = 0; j < n; j++) any |= p[(size_t)j * keys + t];
-        if (!any) continue;
-        for (int c = 0; c < d->latent; c++) row[c] = (float)((int)codes[c] - 128);
-        for (int j = 0; j < n; j++) {
-            float weight = (float)p[(size_t)j * keys + t], *out = acc + (size_t)j * d->latent;
-            if (weight != 0)
-                for (int c = 0; c < d->latent; c++) out[c] += weight * row[c];
-        }
-    }
+    for (int j = 0; j < n; j += MAX_HEADS_PER_THREAD)
+        values(a, n - j < MAX_HEADS_PER_THREAD ? n - j : MAX_HEADS_PER_THREAD, keys, p + (size_t)j * keys,
+               (int32_t *)acc + (size_t)j * d->latent);
     for (int j = 0; j < n; j++) {  /* through W_UV, per output column v */
         int h = h0 + j;
         float *out = acc + (size_t)j * d->latent;
-        for (int c = 0; c < d->latent; c++) out[c] *= p_scale[j];
+        const int32_t *sums = (const int32_t *)out;
+        for (int c = 0; c < d->latent; c++) out[c] = (float)sums[c] * p_scale[j];
         quantize(out, &back);
         for (int i = 0; i < d->v; i++)
             a->out[(size_t)h * d->v + i] = row_dot(a->l->w_uv + ((size_t)h * d->v + i) * d->latent,
