@@ -96,6 +96,8 @@ def library() -> ctypes.CDLL:
         lib.k2_scratch_floats.restype = ctypes.c_long
         lib.k2_decode_step.argtypes = [pointer, number, number, pointer, pointer, pointer, pointer]
         lib.k2_decode_step.restype = number
+        lib.k2_decode_layers.argtypes = [pointer, number, number, number, pointer, pointer, pointer, pointer]
+        lib.k2_decode_layers.restype = number
         lib.k2_logits.argtypes = [pointer, pointer, pointer, pointer]
         lib.k2_logits.restype = None
         _loaded = lib

@@ -508,7 +508,7 @@ long k2_scratch_floats(const K2Model *m, int threads) {
         if (rows > widest) widest = rows;
     }
     size_t bytes = 64 * 1024 + (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
-                   (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 + (size_t)d->vocab * 0 +
+                   (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
                    (size_t)threads * attention_bytes(d, threads) + (size_t)4 * 4096;
     return (long)(bytes / 4 + 1);
 }
@@ -622,17 +622,26 @@ static Bump step_scratch(const K2Model *m, float *scratch) {
     return b;
 }
 
-/* token at position pos (the sequence holds pos entries): every layer's new entry into its page (table
-   [pos / PAGE + 1] page ids), the last layer's output into hidden [m]. scratch: k2_scratch_floats floats.
-   Returns 0, or -1 on a bad argument. */
+/* layers first .. first + count - 1 of one token at position pos (the sequence holds pos entries): each layer's new
+   entry into its page (table [pos / PAGE + 1] page ids; pages[i] the pools of layer first + i), hidden [m] in and
+   out. scratch: k2_scratch_floats floats. Returns 0, or -1 on a bad argument. */
+int k2_decode_layers(const K2Model *m, int first, int count, int pos, const int64_t *table, const K2Pages *pages,
+                     float *hidden, float *scratch) {
+    const K2Dims *d = &m->d;
+    if (first < 0 || count < 0 || first + count > m->layers || pos < 0 || pos >= d->max_len) return -1;
+    Bump b = step_scratch(m, scratch);
+    for (int i = 0; i < count; i++)
+        layer_step(d, &m->layer[first + i], hidden, pos, &pages[i], table, b, (char *)scratch);
+    return 0;
+}
+
+/* the embedding of token, then every layer (k2_decode_layers) */
 int k2_decode_step(const K2Model *m, int token, int pos, const int64_t *table, const K2Pages *pages,
                    float *hidden, float *scratch) {
     const K2Dims *d = &m->d;
-    if (token < 0 || token >= d->vocab || pos < 0 || pos >= d->max_len) return -1;
-    Bump b = step_scratch(m, scratch);
+    if (token < 0 || token >= d->vocab) return -1;
     for (int i = 0; i < d->hidden; i++) hidden[i] = from_bf16(m->embed[(size_t)token * d->hidden + i]);
-    for (int i = 0; i < m->layers; i++) layer_step(d, &m->layer[i], hidden, pos, &pages[i], table, b, (char *)scratch);
-    return 0;
+    return k2_decode_layers(m, 0, m->layers, pos, table, pages, hidden, scratch);
 }
 
 /* hidden [m] -> logits [vocab]: the final norm and the head */
