@@ -176,21 +176,29 @@ class OrtModel:
         else:
             hidden = np.ascontiguousarray(inputs, dtype=np.float32)
         new_entries = entries.new_entries(positions.shape[1])
-        for layer, session in enumerate(self.layer_sessions):
+        for layer in range(self.num_layers):
             started = time.perf_counter()
-            binding = session.io_binding()
-            binding.bind_cpu_input("hidden", hidden)
-            binding.bind_cpu_input("positions", positions)
-            for name, value in entries.past_inputs(layer).items():
-                binding.bind_ortvalue_input(name, value)
-            hidden = np.empty_like(hidden)
-            binding.bind_ortvalue_output("hidden_out", ort.OrtValue.ortvalue_from_numpy(hidden))
-            for name, value in new_entries.items():
-                binding.bind_ortvalue_output(name, value)
-            session.run_with_iobinding(binding)
+            hidden = self.run_layer(layer, hidden, positions, entries, new_entries)
             entries.store(layer, positions, valid)
             self._timed(f"layer_{self.layers.start + layer:03d}", started)
         return hidden
+
+    def run_layer(self, layer: int, hidden: np.ndarray, positions: np.ndarray, entries: CacheView,
+                  new_entries: dict) -> np.ndarray:
+        """One layer graph (of this model's range) -> hidden_out [b, s, m]; its new cache entries land in
+        new_entries (`entries.new_entries`), not yet in their pages."""
+        session = self.layer_sessions[layer]
+        binding = session.io_binding()
+        binding.bind_cpu_input("hidden", hidden)
+        binding.bind_cpu_input("positions", positions)
+        for name, value in entries.past_inputs(layer).items():
+            binding.bind_ortvalue_input(name, value)
+        out = np.empty_like(hidden)
+        binding.bind_ortvalue_output("hidden_out", ort.OrtValue.ortvalue_from_numpy(out))
+        for name, value in new_entries.items():
+            binding.bind_ortvalue_output(name, value)
+        session.run_with_iobinding(binding)
+        return out
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32 (on the stage that ends at the last layer)."""
