@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
+from ..core.host_memory import available_memory
 from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from .runtime_options import add_runtime_options
 
@@ -161,17 +162,6 @@ def cmd_serve(args: argparse.Namespace) -> None:
                                              timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S),
                               lambda: _after(args.drain_timeout, end_drain))
     server.run(sockets=[listener])
-
-
-def available_memory() -> int:
-    """Bytes of memory this host can still give (MemAvailable; physical memory where /proc/meminfo is absent)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -20,7 +20,7 @@ from .cache import Cache, CacheView, SlotView, pages_for
 from .kv_cache import LatentPages, LatentPagesView
 from .native_build import NativeUnavailable
 from .native_decode import DECODE_KERNELS, NativeDecoder
-from .thread_pool import process_threads, session_options
+from .thread_pool import process_threads, session_options, yield_to_native_decode
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
 # slower per layer than the plain MatMul after the transpose (benchmarks/decode_latency.py, small preset)
@@ -135,7 +135,9 @@ class OrtModel:
         try:
             if provider != "cpu" or not (self.first and self.last):
                 raise NativeUnavailable("it runs the whole model on the cpu provider")
-            return NativeDecoder(self.manifest, self.threads, self.config.max_position_embeddings), "native"
+            native = NativeDecoder(self.manifest, self.threads, self.config.max_position_embeddings)
+            yield_to_native_decode()
+            return native, "native"
         except NativeUnavailable as exc:
             if decode == "native":
                 raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None

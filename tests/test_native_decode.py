@@ -115,6 +115,13 @@ def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
         OrtModel(load_manifest(tiny_artifacts["fp8"]), decode="fast")
 
 
+def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
+    monkeypatch.setattr("k2deploy.runtime.native_decode.available_memory", lambda: 1 << 20)
+    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto")
+    assert model.native is None and "beside ONNX Runtime's copy" in model.decode_kernels
+    assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
+
+
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):
     weights = GraphWeights(load_manifest(tiny_cpu_artifact).graph_file("layer_000"))
     with pytest.raises(NativeUnavailable, match="input_layernorm.weight is"):

@@ -13,6 +13,7 @@
 #define _GNU_SOURCE
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -89,7 +90,8 @@ static void *worker(void *arg) {
         double idle_since = now();
         int spins = 0;
         while (atomic_load(&pool.generation) == seen) {
-            if (++spins % 1024 == 0 && now() - idle_since > SPIN_SECONDS) {
+            if (++spins % 1024 == 0) sched_yield();  /* a thread that shares this core gets it */
+            if (spins % 1024 == 0 && now() - idle_since > SPIN_SECONDS) {
                 pthread_mutex_lock(&pool.lock);
                 atomic_fetch_add(&pool.sleeping, 1);
                 while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
@@ -127,7 +129,8 @@ static void run(Task task, void *arg) {
     if (atomic_load(&pool.sleeping)) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     task(arg, 0, pool.threads);
-    while (atomic_load(&pool.done) < pool.threads - 1) {
+    for (int spins = 1; atomic_load(&pool.done) < pool.threads - 1; spins++) {
+        if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
 #ifdef K2_VNNI
         _mm_pause();
 #endif
