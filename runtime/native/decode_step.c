@@ -249,13 +249,11 @@ static void mixed_task(void *arg, int tid, int threads) {
     Mixed *p = arg;
     int start, stop;
     share(p->rows, tid, threads, &start, &stop);
-    for (int r = start; r < stop; r++) {
-        float y = 0;
-        for (int i = 0; i < p->parts; i++) {
-            const K2Lin *l = &p->lin[i];
-            y += p->weight[i] * row_dot(l->w + (size_t)r * l->k, l->s + (size_t)r * (l->k / l->block), p->in[i]);
-        }
-        p->out[r] = y;
+    for (int r = start; r < stop; r++) p->out[r] = 0;
+    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of rows streams in order */
+        const K2Lin *l = &p->lin[i];
+        for (int r = start; r < stop; r++)
+            p->out[r] += p->weight[i] * row_dot(l->w + (size_t)r * l->k, l->s + (size_t)r * (l->k / l->block), p->in[i]);
     }
 }
 
@@ -379,6 +377,31 @@ static void values(const Attention *a, int n, int keys, const uint8_t *p, int32_
     }
 }
 
+/* sums [n] = one cached row's codes (bytes code + 128) times each head's quantised latent query, in integers; the
+   row is loaded once for every head */
+static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, int32_t *sums) {
+    for (int j0 = 0; j0 < n; j0 += MAX_HEADS_PER_THREAD) {
+        int count = n - j0 < MAX_HEADS_PER_THREAD ? n - j0 : MAX_HEADS_PER_THREAD;
+#ifdef K2_VNNI
+        if (c % 64 == 0) {
+            __m512i acc[MAX_HEADS_PER_THREAD];
+            for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_si512();
+            for (int i = 0; i < c; i += 64) {
+                __m512i row = _mm512_loadu_si512(codes + i);
+                for (int j = 0; j < count; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], row, _mm512_loadu_si512(lat[j0 + j].q + i));
+            }
+            for (int j = 0; j < count; j++) sums[j0 + j] = _mm512_reduce_add_epi32(acc[j]);
+            continue;
+        }
+#endif
+        for (int j = 0; j < count; j++) {
+            int32_t s = 0;
+            for (int i = 0; i < c; i++) s += (int32_t)codes[i] * lat[j0 + j].q[i];
+            sums[j0 + j] = s;
+        }
+    }
+}
+
 /* Each thread takes a run of heads and walks the cache once for all of them: a token's latent codes and rope key
    are read once per thread, not once per head. */
 static void attention_task(void *arg, int tid, int threads) {
@@ -395,6 +418,7 @@ static void attention_task(void *arg, int tid, int threads) {
     float *q_lat = take(&b, d->latent * 4), *scores = take(&b, (size_t)n * keys * 4);
     float *acc = take(&b, (size_t)n * d->latent * 4), *k_pe = take(&b, d->rope * 4);
     float *p_scale = take(&b, n * 4);
+    int32_t *sums = take(&b, n * 4);
     uint8_t *p = take(&b, (size_t)n * keys);
     for (int j = 0; j < n; j++) {  /* q_nope through W_UK, per output column c; quantised per row */
         int h = h0 + j;
@@ -409,8 +433,9 @@ static void attention_task(void *arg, int tid, int threads) {
         const _Float16 *rope_key = (const _Float16 *)(a->pages->rope + at * d->rope);
         float token_scale = a->pages->scale[at];
         for (int i = 0; i < d->rope; i++) k_pe[i] = (float)rope_key[i];
-        for (int j = 0; j < n; j++) {
-            float latent_score = row_dot(codes, &token_scale, &lat[j]);
+        latent_dots(codes, d->latent, lat, n, sums);
+        for (int j = 0; j < n; j++) {  /* the integer product as MatMulInteger gives it, then the two scales */
+            float latent_score = (float)(sums[j] - 128 * lat[j].sum[0]) * lat[j].s[0] * token_scale;
             float rope_score = dot_f32(a->q + (size_t)(h0 + j) * qk + d->nope, k_pe, d->rope);
             scores[(size_t)j * keys + t] = (latent_score + rope_score) * d->softmax_scale;
         }
@@ -498,7 +523,7 @@ static void route(const K2Dims *d, const float *scores, const float *bias, int e
 /* one thread's attention scratch: its share of the heads (share() gives at most this many) */
 static size_t attention_bytes(const K2Dims *d, int threads) {
     size_t h = (d->heads + threads - 1) / threads, quants = (h + 2) * (d->latent + 3 * 64) + d->nope + 3 * 64 + h * sizeof(Quant);
-    return quants + (size_t)4 * (d->latent * (h + 2) + d->rope + h) + (size_t)5 * h * d->max_len + 64 * 16;
+    return quants + (size_t)4 * (d->latent * (h + 2) + d->rope + 2 * h) + (size_t)5 * h * d->max_len + 64 * 18;
 }
 
 /* floats of scratch a step needs */
