@@ -259,7 +259,8 @@ def format_result(doc: dict, markdown: bool = False) -> str:
     header, rows = cell_rows(doc)
     lines = [
         f"device     {doc['device']['label']} ({doc['device']['slug']}); {runs_on(doc)}, "
-        f"{doc['threads'] or 'default'} threads",
+        f"{doc['threads'] or 'default'} threads"
+        + (f", decode {doc['decode_kernels']}" if doc.get("decode_kernels") else ""),
         f"artifact   {doc['artifact']['path']} (manifest sha256 {doc['artifact']['manifest_sha256'][:12]}, "
         f"{doc['artifact']['layers']} layers, {doc['artifact']['kv_cache']} cache)",
         "versions   " + ", ".join(f"{k} {v}" for k, v in doc["versions"].items() if v),
