@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ from ..core.host_memory import available_memory
 from ..core.manifest import Manifest
 from ..core.onnx_wire import external_initializers
 from .native_build import NativeUnavailable, library
+from .thread_pool import core_cpus
 
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -172,7 +174,7 @@ class NativeDecoder:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory beside ONNX Runtime's copy, and {available / 2**30:.1f} GiB is available")
         self.lib = library()
-        self.threads = self.lib.k2_pool_start(threads)
+        self.threads = self.lib.k2_pool_start(threads, _address(self.cpus(threads)))
         self.graphs = [GraphWeights(manifest.graph_file(name)) for name in names[:-1]]
         self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(self.graphs)))
         embed, head = GraphWeights(manifest.graph_file("embed"), whole=False), GraphWeights(manifest.graph_file("head"))
@@ -184,6 +186,14 @@ class NativeDecoder:
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         self.max_len = max_len
         self.scratch = np.zeros(self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads), np.float32)
+
+    def cpus(self, threads: int) -> np.ndarray:
+        """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];
+        -1 everywhere where the system cannot pin (or there are fewer cores than threads)."""
+        cores = core_cpus()
+        if len(cores) < threads or not hasattr(os, "sched_setaffinity"):
+            return np.full(threads, -1, np.int32)
+        return np.array([core[0] for core in cores[:threads]], np.int32)
 
     def _dims(self, max_len: int) -> Dims:
         from ..core.config import yarn_mscale

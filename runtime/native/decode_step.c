@@ -73,6 +73,7 @@ typedef void (*Task)(void *arg, int tid, int threads);
 
 static struct {
     int threads;
+    int cpus[MAX_THREADS];  /* thread t's CPU; -1: not pinned */
     pthread_t ids[MAX_THREADS];
     atomic_int generation, done, sleeping, stop;
     Task task; void *arg;
@@ -81,8 +82,16 @@ static struct {
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
+static void pin(int cpu) {  /* the calling thread onto one CPU */
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    sched_setaffinity(0, sizeof set, &set);
+}
+
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg, seen = atomic_load(&pool.generation);
+    if (pool.cpus[tid] >= 0) pin(pool.cpus[tid]);
     char name[16];
     snprintf(name, sizeof name, "k2-decode-%d", tid);
     pthread_setname_np(pthread_self(), name);  /* as top -H and /proc/PID/task/TID/comm show it */
@@ -109,15 +118,34 @@ static void *worker(void *arg) {
     }
 }
 
-/* Starts `threads` - 1 workers (the caller is thread 0) -> the pool's size; a started pool keeps its size. */
-int k2_pool_start(int threads) {
+/* Starts `threads` - 1 workers (the caller is thread 0) -> the pool's size; a started pool keeps its size. cpus:
+   thread t's CPU (distinct physical cores), or NULL: none pinned. Each worker keeps to its CPU; the thread that
+   calls a step holds cpus[0] for the step's length (hold_cpu). A worker woken after a long idle gap otherwise
+   tends to be placed on the caller's core, and the two then take turns there for the whole step. */
+int k2_pool_start(int threads, const int *cpus) {
     if (pool.threads) return pool.threads;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    for (int t = 0; t < threads; t++) pool.cpus[t] = cpus ? cpus[t] : -1;
     for (int t = 1; t < threads; t++)
         if (pthread_create(&pool.ids[t], NULL, worker, (void *)(intptr_t)t) != 0) { threads = t; break; }
     pool.threads = threads;
     return threads;
+}
+
+typedef struct { cpu_set_t before; int held; } Held;
+
+static Held hold_cpu(void) {  /* the calling thread onto cpus[0] until release_cpu */
+    Held h = {.held = 0};
+    if (pool.threads > 1 && pool.cpus[0] >= 0 && sched_getaffinity(0, sizeof h.before, &h.before) == 0) {
+        pin(pool.cpus[0]);
+        h.held = 1;
+    }
+    return h;
+}
+
+static void release_cpu(Held *h) {
+    if (h->held) sched_setaffinity(0, sizeof h->before, &h->before);
 }
 
 static void run(Task task, void *arg) {
@@ -658,8 +686,10 @@ int k2_decode_layers(const K2Model *m, int first, int count, int pos, const int6
     const K2Dims *d = &m->d;
     if (first < 0 || count < 0 || first + count > m->layers || pos < 0 || pos >= d->max_len) return -1;
     Bump b = step_scratch(m, scratch);
+    Held held = hold_cpu();
     for (int i = 0; i < count; i++)
         layer_step(d, &m->layer[first + i], hidden, pos, &pages[i], table, b, (char *)scratch);
+    release_cpu(&held);
     return 0;
 }
 
@@ -681,5 +711,7 @@ void k2_logits(const K2Model *m, const float *hidden, float *logits, float *scra
     Quant xq = quant(&b, d->hidden, m->head.block);
     quantize(xn, &xq);
     Products head = {1, {m->head}, {&xq}, {logits}};
+    Held held = hold_cpu();
     run(products_task, &head);
+    release_cpu(&held);
 }
