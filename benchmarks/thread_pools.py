@@ -1,5 +1,6 @@
-"""How a process's ONNX Runtime threads are organised, measured: one pool shared by every session (what the runtime
-does, `runtime/thread_pool.py`) against a pool per session with its threads spinning between runs or not.
+"""How a process's threads are organised, measured: one ONNX Runtime pool shared by every session with decode
+through the native step (what the runtime does, `runtime/thread_pool.py`, `runtime/native_decode.py`), the same
+pool with decode through the graphs too, and a pool per session with its threads spinning between runs or not.
 
     . .venv/bin/activate && python benchmarks/thread_pools.py [ART] [--threads 1,2] [--rounds 3] [--json]
 
@@ -122,7 +123,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bound", action="store_true", help="leave out the native kernel's rows (stream_bound.py)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    try:
+        threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--threads {args.threads!r}: give thread counts such as 1,2")
+    if not threads or min(threads) < 1:
+        parser.error(f"--threads {args.threads!r}: give thread counts of at least 1, such as 1,2")
     artifact = ensure_artifact(args.artifact)
     configs = [c.strip() for c in args.configs.split(";") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
