@@ -164,6 +164,10 @@ class NativeDecoder:
             raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
                                     f"{cache}")
         c = self.config = manifest.config
+        limits = {"num_experts_per_tok": 64, "n_group": 64, "topk_group": 64, "n_routed_experts": 4096}
+        over = [f"{name} {getattr(c, name)} (at most {most})" for name, most in limits.items() if getattr(c, name) > most]
+        if over:
+            raise NativeUnavailable(f"its routing takes at most the sizes it was built for: {', '.join(over)}")
         if c.q_lora_rank is None:
             raise NativeUnavailable("it needs q_lora_rank (q_a_proj and q_b_proj)")
         names = [f"layer_{i:03d}" for i in range(c.num_hidden_layers)] + ["head"]
@@ -185,7 +189,11 @@ class NativeDecoder:
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         self.max_len = max_len
-        self.scratch = np.zeros(self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads), np.float32)
+        scratch = self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads)
+        if available is not None and scratch * 4 > available // 4:
+            raise NativeUnavailable(f"its scratch for {max_len} positions ({scratch * 4 / 2**30:.1f} GiB) is over a "
+                                    f"quarter of the available memory")
+        self.scratch = np.zeros(scratch, np.float32)
 
     def cpus(self, threads: int) -> np.ndarray:
         """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];

@@ -2,6 +2,7 @@
 choice between them (auto, native, onnx) and its reasons, and its build."""
 
 import ctypes
+import dataclasses
 import json
 
 import numpy as np
@@ -13,7 +14,7 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime import native_build
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.native_build import NativeUnavailable
-from k2deploy.runtime.native_decode import GraphWeights, Pages, _address
+from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder, Pages, _address
 from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.sampling import SamplingParams
 
@@ -120,6 +121,14 @@ def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them
     model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto")
     assert model.native is None and "beside ONNX Runtime's copy" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
+
+
+def test_a_model_past_the_steps_routing_limits_keeps_to_the_graphs(tiny_cpu_artifact):
+    loaded = load_manifest(tiny_cpu_artifact)
+    grouped = dict(loaded.data["model_config"], n_routed_experts=130, n_group=65, topk_group=4)
+    manifest = dataclasses.replace(loaded, data=dict(loaded.data, model_config=grouped))
+    with pytest.raises(NativeUnavailable, match="n_group 65 \\(at most 64\\)"):
+        NativeDecoder(manifest, 1, 64)
 
 
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):

@@ -28,7 +28,9 @@
 #define PAGE 64
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 #define MAX_THREADS 256
-#define MAX_TOP_K 64
+#define MAX_TOP_K 64      /* the routing's limits (runtime/native_decode.py checks a model against them) */
+#define MAX_GROUPS 64
+#define MAX_EXPERTS 4096
 #define MAX_HEADS_PER_THREAD 16
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
 
@@ -523,11 +525,11 @@ static void top_k(const float *values, int n, int k, int *ids) {
 }
 
 static void route(const K2Dims *d, const float *scores, const float *bias, int experts, int *ids, float *weights) {
-    float choice[4096];
+    float choice[MAX_EXPERTS];
     for (int e = 0; e < experts; e++) choice[e] = scores[e] + bias[e];
     if (d->n_group > 1) {
-        int per = experts / d->n_group, kept[64];
-        float group_score[64];
+        int per = experts / d->n_group, kept[MAX_GROUPS];
+        float group_score[MAX_GROUPS];
         for (int g = 0; g < d->n_group; g++) {
             int two[2];
             top_k(choice + g * per, per, 2, two);
@@ -685,6 +687,9 @@ int k2_decode_layers(const K2Model *m, int first, int count, int pos, const int6
                      float *hidden, float *scratch) {
     const K2Dims *d = &m->d;
     if (first < 0 || count < 0 || first + count > m->layers || pos < 0 || pos >= d->max_len) return -1;
+    if (d->top_k > MAX_TOP_K || d->n_group > MAX_GROUPS || d->topk_group > MAX_GROUPS) return -1;
+    for (int i = 0; i < count; i++)
+        if (m->layer[first + i].moe && m->layer[first + i].experts > MAX_EXPERTS) return -1;
     Bump b = step_scratch(m, scratch);
     Held held = hold_cpu();
     for (int i = 0; i < count; i++)
