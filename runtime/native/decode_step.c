@@ -7,8 +7,8 @@
  * Products use AVX-512 VNNI where the compiler targets it (vpdpbusd: weight bytes x signed activation bytes,
  * the + 128 taken off with the block's activation sum), else a plain loop.
  *
- * Every product's rows are split over a pool of threads that spin between the phases of a step and sleep after a
- * while idle. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions, e experts.
+ * Every product's rows (and the attention's heads) are split over a pool of threads that spin between the phases of
+ * a step, yield while they wait, sleep after a while idle, and keep each to its own core (k2_pool_start). Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions, e experts.
  */
 #define _GNU_SOURCE
 #include <math.h>
