@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import K2Error
+from ..core.host_memory import proc_kib
 
 KINDS = ("eager", "hf")
 
@@ -42,12 +43,9 @@ def prompts(seed: int, batch: int, prompt_len: int, vocab: int) -> np.ndarray:
 
 def peak_rss_bytes() -> int | None:
     """VmHWM of this process (Linux), else ru_maxrss."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak = proc_kib("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
 
@@ -68,13 +66,7 @@ def reset_peak_rss() -> bool:
 
 
 def current_rss_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_kib("/proc/self/status", "VmRSS")
 
 
 # -- the child process ----------------------------------------------------------------------------------

@@ -89,9 +89,9 @@ def library() -> ctypes.CDLL:
             lib = ctypes.CDLL(str(build()))
         except OSError as exc:
             raise NativeUnavailable(f"the native build does not load ({exc})") from None
-        lib.k2_pool_start.argtypes = [ctypes.c_int, ctypes.c_void_p]
-        lib.k2_pool_start.restype = ctypes.c_int
         pointer, number = ctypes.c_void_p, ctypes.c_int
+        lib.k2_pool_start.argtypes = [number, pointer]
+        lib.k2_pool_start.restype = number
         lib.k2_scratch_floats.argtypes = [pointer, number]
         lib.k2_scratch_floats.restype = ctypes.c_long
         lib.k2_decode_step.argtypes = [pointer, number, number, pointer, pointer, pointer, pointer]

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.cache_format import PAGE_SIZE
+from ..core.config import yarn_mscale
 from ..core.errors import K2Error
 from ..core.host_memory import available_memory
 from ..core.manifest import Manifest
@@ -178,7 +179,6 @@ class NativeDecoder:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory beside ONNX Runtime's copy, and {available / 2**30:.1f} GiB is available")
         self.lib = library()
-        self.threads = self.lib.k2_pool_start(threads, _address(self.cpus(threads)))
         self.graphs = [GraphWeights(manifest.graph_file(name)) for name in names[:-1]]
         self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(self.graphs)))
         embed, head = GraphWeights(manifest.graph_file("embed"), whole=False), GraphWeights(manifest.graph_file("head"))
@@ -189,11 +189,13 @@ class NativeDecoder:
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         self.max_len = max_len
-        scratch = self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads)
+        scratch = self.lib.k2_scratch_floats(ctypes.addressof(self.model), threads)
         if available is not None and scratch * 4 > available // 4:
             raise NativeUnavailable(f"its scratch for {max_len} positions ({scratch * 4 / 2**30:.1f} GiB) is over a "
                                     f"quarter of the available memory")
         self.scratch = np.zeros(scratch, np.float32)
+        self.threads = self.lib.k2_pool_start(threads, _address(self.cpus(threads)))  # last: nothing left to refuse
+        self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
 
     def cpus(self, threads: int) -> np.ndarray:
         """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];
@@ -204,8 +206,6 @@ class NativeDecoder:
         return np.array([core[0] for core in cores[:threads]], np.int32)
 
     def _dims(self, max_len: int) -> Dims:
-        from ..core.config import yarn_mscale
-
         c = self.config
         yarn = c.rope_scaling
         rope_scale = 1.0 if yarn is None else (yarn_mscale(yarn["factor"], yarn.get("mscale", 1))
@@ -276,14 +276,22 @@ class NativeDecoder:
         table = np.ascontiguousarray(page_table, dtype=np.int64)
         if table.min() < 0 or table.max() >= latent.shape[1]:
             raise K2Error("the page table names pages the cache does not hold")
-        pages = (Pages * c.num_hidden_layers)(*(
-            Pages(_address(latent[i]), _address(scale[i]), _address(rope[i])) for i in range(c.num_hidden_layers)))
         hidden = np.empty(c.hidden_size, np.float32)
+        pages = self._layer_pools(latent, scale, rope)
         status = self.lib.k2_decode_step(ctypes.addressof(self.model), token, position, _address(table),
                                          ctypes.addressof(pages), _address(hidden), _address(self.scratch))
         if status != 0:
             raise K2Error(f"the native decode step refused token {token} at position {position}")
         return hidden
+
+    def _layer_pools(self, latent: np.ndarray, scale: np.ndarray, rope: np.ndarray) -> ctypes.Array:
+        """Each layer's pools [pages, PAGE_SIZE, width], made once per cache (a step otherwise rebuilds them)."""
+        key = (_address(latent), _address(scale), _address(rope), latent.shape[1])
+        if self._pools is None or self._pools[0] != key:
+            layers = self.config.num_hidden_layers
+            self._pools = key, (Pages * layers)(*(Pages(_address(latent[i]), _address(scale[i]), _address(rope[i]))
+                                                  for i in range(layers)))
+        return self._pools[1]
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [m] -> logits [vocab] float32: the final norm and the head."""

@@ -64,9 +64,9 @@ def pin_to_share(index: int, share: int) -> set[int] | None:
     if share <= 1 or not hasattr(os, "sched_setaffinity"):
         return None
     cpus = share_cpus(core_cpus(), index, share)
-    for thread in os.listdir("/proc/self/task"):
+    for thread in _threads():
         try:
-            os.sched_setaffinity(int(thread), cpus)
+            os.sched_setaffinity(thread, cpus)
         except OSError:  # a thread that has just ended
             pass
     return cpus
