@@ -7,8 +7,10 @@
  * Products use AVX-512 VNNI where the compiler targets it (vpdpbusd: weight bytes x signed activation bytes,
  * the + 128 taken off with the block's activation sum), else a plain loop.
  *
- * Every product's rows (and the attention's heads) are split over a pool of threads that spin between the phases of
- * a step, yield while they wait, sleep after a while idle, and keep each to its own core (k2_pool_start). Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions, e experts.
+ * Every product's rows, and the attention's heads or positions (phase by phase), are split over a pool of threads
+ * that spin between the phases of a step, yield while they wait, sleep after a while idle, and keep each to its own
+ * core (k2_pool_start). Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
+ * e experts.
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -27,11 +29,12 @@
 
 #define PAGE 64
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
+#define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX_THREADS 256
 #define MAX_TOP_K 64      /* the routing's limits (runtime/native_decode.py checks a model against them) */
 #define MAX_GROUPS 64
 #define MAX_EXPERTS 4096
-#define MAX_HEADS_PER_THREAD 16
+#define HEAD_GROUP 16     /* heads that share one pass of latent_dots() over a cached row */
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
 
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
@@ -337,69 +340,104 @@ static float dot_f32(const float *a, const float *b, int n) {
 static uint16_t to_half(float f) { _Float16 h = (_Float16)f; uint16_t bits; memcpy(&bits, &h, 2); return bits; }
 static float from_bf16(uint16_t bits) { uint32_t u = (uint32_t)bits << 16; float f; memcpy(&f, &u, 4); return f; }
 
-/* ---- attention over the int8 latent cache, a range of heads per thread ------------------------------------ */
+/* ---- attention over the int8 latent cache ----------------------------------------------------------------
+   Six phases, each split over the pool: the absorbed queries and, at the end, W_UV take a run of heads each; the
+   scores, their exponentials, the probabilities and the probability bytes times the cache take a run of positions
+   each, so that the cache is read once whatever the number of threads. Every sum whose order a split could change
+   is taken per CHUNK positions and then chunk by chunk, and the value sums are integers: the number of threads
+   changes nothing in the result. */
+
+#define CHUNK 16  /* positions: the unit the position phases are split in (a divisor of PAGE) */
 
 typedef struct {
     const K2Dims *d; const K2Layer *l; const K2Pages *pages; const int64_t *table;
     int keys;                 /* positions 0 .. keys - 1, the new one included (already in its page) */
     const float *q;           /* [h, d + r]: q_nope, q_pe (roped) per head */
     float *out;               /* [h, v] */
-    char *scratch; size_t per_thread;
+    Quant *lat;               /* [h] each head's latent query (q_nope through W_UK), quantised */
+    float *scores;            /* [h, keys]: scores, then exp(score - largest), then probabilities */
+    uint8_t *p;               /* [h, keys] probability bytes */
+    float *largest, *peak;    /* [threads, h] each thread's largest score, largest probability */
+    float *chunk_sums;        /* [h, keys / CHUNK] the exponentials' sum per chunk */
+    int32_t *partial;         /* [threads, h, c] each thread's value sums over its positions */
+    char *own; size_t own_bytes;  /* thread t's own scratch: own + t * own_bytes */
 } Attention;
 
-/* sums [n, c] int32 (n <= MAX_HEADS_PER_THREAD) = the probability bytes p [n, keys] times the latent codes - 128 of each position, exact (as
-   MatMulInteger sums them). A page of the cache at a time: its 64 rows stay in cache while each run of 16 latent
-   columns goes through every head. With VNNI, four positions' bytes are interleaved so that one vpdpbusd adds four
-   products to each of 16 columns. */
-static void values(const Attention *a, int n, int keys, const uint8_t *p, int32_t *sums) {
-    const K2Dims *d = a->d;
-    int c_dim = d->latent;
-    memset(sums, 0, (size_t)n * c_dim * 4);
-    for (int t0 = 0; t0 < keys; t0 += PAGE) {
-        int rows = keys - t0 < PAGE ? keys - t0 : PAGE;
-        const uint8_t *page = a->pages->latent + (size_t)a->table[t0 / PAGE] * PAGE * c_dim;
+static void position_share(int keys, int tid, int threads, int *start, int *stop) {
+    int chunks = (keys + CHUNK - 1) / CHUNK;
+    share(chunks, tid, threads, start, stop);
+    *start *= CHUNK; *stop = *stop * CHUNK < keys ? *stop * CHUNK : keys;
+}
+
+static size_t cache_row(const Attention *a, int t) { return (size_t)a->table[t / PAGE] * PAGE + t % PAGE; }
+
+#define VALUE_HEADS 4  /* heads that share one pass of values() over a page: 16 accumulators with VNNI */
+
+/* where the value sums keep latent column c: with VNNI (c_dim a multiple of 64), within each run of 64 columns,
+   column 16 L + 4 k + m at 16 k + 4 L + m, the order values()' interleaving leaves them in (its own inverse);
+   otherwise at c */
+static int value_slot(int c_dim, int c) {
 #ifdef K2_VNNI
-        if (c_dim % 16 == 0) {
-            uint32_t words[MAX_HEADS_PER_THREAD][PAGE / 4];  /* each head's probability bytes, four positions a word */
+    if (c_dim % 64 == 0) return (c & ~63) | (((c >> 2) & 3) << 4) | (((c >> 4) & 3) << 2) | (c & 3);
+#endif
+    (void)c_dim;
+    return c;
+}
+
+/* sums [n, c] int32 (n <= VALUE_HEADS, columns at value_slot) += the probability bytes p (row j at p + j * stride) of
+   positions t0 .. t1 - 1 times the latent codes - 128 of each position, exact (as MatMulInteger sums them). With
+   VNNI, four positions' rows of 64 codes are interleaved byte by byte (within each 16-byte lane) so that one
+   vpdpbusd adds four positions' products to 16 columns; a page's rows stay in cache across its column runs. */
+static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, size_t stride, int32_t *sums) {
+    int c_dim = a->d->latent;
+    for (int t = t0, rows; t < t1; t += rows) {
+        rows = MIN(t1, (t / PAGE + 1) * PAGE) - t;  /* the rest of t's page */
+        const uint8_t *page = a->pages->latent + cache_row(a, t) * c_dim;
+#ifdef K2_VNNI
+        if (c_dim % 64 == 0) {
+            int groups = (rows + 3) / 4;
+            uint32_t words[VALUE_HEADS][PAGE / 4];  /* each head's probability bytes, four positions a word */
             for (int j = 0; j < n; j++)
-                for (int g = 0; g < PAGE / 4; g++) {
+                for (int g = 0; g < groups; g++) {
+                    const uint8_t *four = p + (size_t)j * stride + t + 4 * g;
                     uint32_t w = 0;
-                    for (int k = 0; k < 4; k++) {
-                        int t = 4 * g + k;
-                        w |= (uint32_t)(t < rows ? p[(size_t)j * keys + t0 + t] : 0) << (8 * k);
-                    }
+                    if (4 * g + 4 <= rows) memcpy(&w, four, 4);
+                    else for (int k = 0; 4 * g + k < rows; k++) w |= (uint32_t)four[k] << (8 * k);
                     words[j][g] = w;
                 }
-            const __m128i flip = _mm_set1_epi8((char)0x80);
-            for (int c = 0; c < c_dim; c += 16) {
-                __m512i acc[MAX_HEADS_PER_THREAD];
-                for (int j = 0; j < n; j++) acc[j] = _mm512_setzero_si512();
-                for (int g = 0; g < (rows + 3) / 4; g++) {
-                    __m128i r[4];
+            const __m512i flip = _mm512_set1_epi8((char)0x80);
+            for (int c = 0; c < c_dim; c += 64) {
+                __m512i acc[VALUE_HEADS][4];
+                for (int j = 0; j < n; j++)
+                    for (int k = 0; k < 4; k++) acc[j][k] = _mm512_setzero_si512();
+                for (int g = 0; g < groups; g++) {
+                    __m512i r[4];
                     for (int k = 0; k < 4; k++) {  /* a missing position repeats the first: its probability is 0 */
-                        int t = 4 * g + k < rows ? 4 * g + k : 4 * g;
-                        r[k] = _mm_xor_si128(_mm_loadu_si128((const __m128i *)(page + (size_t)t * c_dim + c)), flip);
+                        int row = 4 * g + k < rows ? 4 * g + k : 4 * g;
+                        r[k] = _mm512_xor_si512(_mm512_loadu_si512(page + (size_t)row * c_dim + c), flip);
                     }
-                    __m128i lo01 = _mm_unpacklo_epi8(r[0], r[1]), hi01 = _mm_unpackhi_epi8(r[0], r[1]);
-                    __m128i lo23 = _mm_unpacklo_epi8(r[2], r[3]), hi23 = _mm_unpackhi_epi8(r[2], r[3]);
-                    __m512i quad = _mm512_inserti64x4(
-                        _mm512_castsi256_si512(_mm256_set_m128i(_mm_unpackhi_epi16(lo01, lo23), _mm_unpacklo_epi16(lo01, lo23))),
-                        _mm256_set_m128i(_mm_unpackhi_epi16(hi01, hi23), _mm_unpacklo_epi16(hi01, hi23)), 1);
-                    for (int j = 0; j < n; j++)
-                        acc[j] = _mm512_dpbusd_epi32(acc[j], _mm512_set1_epi32((int)words[j][g]), quad);
+                    __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
+                    __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
+                    __m512i quad[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
+                                       _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+                    for (int j = 0; j < n; j++) {
+                        __m512i w = _mm512_set1_epi32((int)words[j][g]);
+                        for (int k = 0; k < 4; k++) acc[j][k] = _mm512_dpbusd_epi32(acc[j][k], w, quad[k]);
+                    }
                 }
-                for (int j = 0; j < n; j++) {
-                    int32_t *out = sums + (size_t)j * c_dim + c;
-                    _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_loadu_si512(out), acc[j]));
-                }
+                for (int j = 0; j < n; j++)
+                    for (int k = 0; k < 4; k++) {
+                        int32_t *out = sums + (size_t)j * c_dim + c + 16 * k;
+                        _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_loadu_si512(out), acc[j][k]));
+                    }
             }
             continue;
         }
 #endif
-        for (int t = 0; t < rows; t++) {
-            const uint8_t *codes = page + (size_t)t * c_dim;
+        for (int row = 0; row < rows; row++) {
+            const uint8_t *codes = page + (size_t)row * c_dim;
             for (int j = 0; j < n; j++) {
-                int32_t weight = p[(size_t)j * keys + t0 + t], *out = sums + (size_t)j * c_dim;
+                int32_t weight = p[(size_t)j * stride + t + row], *out = sums + (size_t)j * c_dim;
                 if (weight)
                     for (int c = 0; c < c_dim; c++) out[c] += weight * ((int32_t)codes[c] - 128);
             }
@@ -410,11 +448,11 @@ static void values(const Attention *a, int n, int keys, const uint8_t *p, int32_
 /* sums [n] = one cached row's codes (bytes code + 128) times each head's quantised latent query, in integers; the
    row is loaded once for every head */
 static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, int32_t *sums) {
-    for (int j0 = 0; j0 < n; j0 += MAX_HEADS_PER_THREAD) {
-        int count = n - j0 < MAX_HEADS_PER_THREAD ? n - j0 : MAX_HEADS_PER_THREAD;
+    for (int j0 = 0; j0 < n; j0 += HEAD_GROUP) {
+        int count = n - j0 < HEAD_GROUP ? n - j0 : HEAD_GROUP;
 #ifdef K2_VNNI
         if (c % 64 == 0) {
-            __m512i acc[MAX_HEADS_PER_THREAD];
+            __m512i acc[HEAD_GROUP];
             for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_si512();
             for (int i = 0; i < c; i += 64) {
                 __m512i row = _mm512_loadu_si512(codes + i);
@@ -432,69 +470,175 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
     }
 }
 
-/* Each thread takes a run of heads and walks the cache once for all of them: a token's latent codes and rope key
-   are read once per thread, not once per head. */
-static void attention_task(void *arg, int tid, int threads) {
+/* the cached float16 rope key of one position -> floats */
+static void rope_key(const uint16_t *half, int r, float *out) {
+    int i = 0;
+#ifdef K2_VNNI
+    for (; i + 16 <= r; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + i))));
+#endif
+    for (; i < r; i++) { _Float16 h; memcpy(&h, half + i, 2); out[i] = (float)h; }
+}
+
+/* phase 1, heads: q_nope through W_UK per output column c, quantised per row */
+static void absorb_task(void *arg, int tid, int threads) {
     Attention *a = arg;
     const K2Dims *d = a->d;
-    int h0, h1;
+    int h0, h1, qk = d->nope + d->rope;
     share(d->heads, tid, threads, &h0, &h1);
-    int n = h1 - h0, keys = a->keys, qk = d->nope + d->rope;
-    if (n <= 0) return;
-    Bump b = {a->scratch + a->per_thread * tid};
-    Quant nope = quant(&b, d->nope, d->nope), back = quant(&b, d->latent, d->latent);
-    Quant *lat = take(&b, n * sizeof(Quant));
-    for (int j = 0; j < n; j++) lat[j] = quant(&b, d->latent, d->latent);
-    float *q_lat = take(&b, d->latent * 4), *scores = take(&b, (size_t)n * keys * 4);
-    float *acc = take(&b, (size_t)n * d->latent * 4), *k_pe = take(&b, d->rope * 4);
-    float *p_scale = take(&b, n * 4);
-    int32_t *sums = take(&b, n * 4);
-    uint8_t *p = take(&b, (size_t)n * keys);
-    for (int j = 0; j < n; j++) {  /* q_nope through W_UK, per output column c; quantised per row */
-        int h = h0 + j;
+    Bump b = {a->own + a->own_bytes * tid};
+    Quant nope = quant(&b, d->nope, d->nope);
+    float *q_lat = take(&b, d->latent * 4);
+    for (int h = h0; h < h1; h++) {
         quantize(a->q + (size_t)h * qk, &nope);
         for (int c = 0; c < d->latent; c++)
             q_lat[c] = row_dot(a->l->w_uk + ((size_t)h * d->latent + c) * d->nope, a->l->uk_s + (size_t)h * d->latent + c, &nope);
-        quantize(q_lat, &lat[j]);
+        quantize(q_lat, &a->lat[h]);
     }
-    for (int t = 0; t < keys; t++) {
-        size_t at = (size_t)a->table[t / PAGE] * PAGE + t % PAGE;
-        const uint8_t *codes = a->pages->latent + at * d->latent;
-        const _Float16 *rope_key = (const _Float16 *)(a->pages->rope + at * d->rope);
+}
+
+/* phase 2, positions: every head's score of each position (the integer latent product as MatMulInteger gives it,
+   times the two scales, plus the rope product), and the largest per head */
+static void scores_task(void *arg, int tid, int threads) {
+    Attention *a = arg;
+    const K2Dims *d = a->d;
+    int t0, t1, heads = d->heads, keys = a->keys, qk = d->nope + d->rope;
+    position_share(keys, tid, threads, &t0, &t1);
+    Bump b = {a->own + a->own_bytes * tid};
+    float *k_pe = take(&b, d->rope * 4), *largest = a->largest + (size_t)tid * heads;
+    int32_t *sums = take(&b, heads * 4);
+    for (int j = 0; j < heads; j++) largest[j] = -INFINITY;
+    for (int t = t0; t < t1; t++) {
+        size_t at = cache_row(a, t);
+        rope_key(a->pages->rope + at * d->rope, d->rope, k_pe);
+        latent_dots(a->pages->latent + at * d->latent, d->latent, a->lat, heads, sums);
         float token_scale = a->pages->scale[at];
-        for (int i = 0; i < d->rope; i++) k_pe[i] = (float)rope_key[i];
-        latent_dots(codes, d->latent, lat, n, sums);
-        for (int j = 0; j < n; j++) {  /* the integer product as MatMulInteger gives it, then the two scales */
-            float latent_score = (float)(sums[j] - 128 * lat[j].sum[0]) * lat[j].s[0] * token_scale;
-            float rope_score = dot_f32(a->q + (size_t)(h0 + j) * qk + d->nope, k_pe, d->rope);
-            scores[(size_t)j * keys + t] = (latent_score + rope_score) * d->softmax_scale;
+        for (int j = 0; j < heads; j++) {
+            float latent_score = (float)(sums[j] - 128 * a->lat[j].sum[0]) * a->lat[j].s[0] * token_scale;
+            float rope_score = dot_f32(a->q + (size_t)j * qk + d->nope, k_pe, d->rope);
+            float s = (latent_score + rope_score) * d->softmax_scale;
+            a->scores[(size_t)j * keys + t] = s;
+            largest[j] = MAX(largest[j], s);
         }
     }
-    for (int j = 0; j < n; j++) {  /* softmax; times each token's scale; quantised per row to bytes (absmax / 255) */
-        float *s = scores + (size_t)j * keys, largest = -INFINITY, total = 0, p_max = 0;
-        for (int t = 0; t < keys; t++) largest = MAX(largest, s[t]);
-        for (int t = 0; t < keys; t++) { s[t] = expf(s[t] - largest); total += s[t]; }
-        for (int t = 0; t < keys; t++) {
-            s[t] = s[t] / total * a->pages->scale[(size_t)a->table[t / PAGE] * PAGE + t % PAGE];
-            p_max = MAX(p_max, s[t]);
+}
+
+static float largest_of(const float *per_thread, int threads, int heads, int j) {
+    float m = -INFINITY;
+    for (int i = 0; i < threads; i++) m = MAX(m, per_thread[(size_t)i * heads + j]);
+    return m;
+}
+
+/* phase 3, positions: exp(score - the head's largest), summed per chunk */
+static void exp_task(void *arg, int tid, int threads) {
+    Attention *a = arg;
+    int t0, t1, heads = a->d->heads, keys = a->keys, chunks = (keys + CHUNK - 1) / CHUNK;
+    position_share(keys, tid, threads, &t0, &t1);
+    for (int j = 0; j < heads; j++) {
+        float largest = largest_of(a->largest, threads, heads, j), *s = a->scores + (size_t)j * keys;
+        for (int c0 = t0; c0 < t1; c0 += CHUNK) {
+            float total = 0;
+            for (int t = c0; t < MIN(c0 + CHUNK, t1); t++) { s[t] = expf(s[t] - largest); total += s[t]; }
+            a->chunk_sums[(size_t)j * chunks + c0 / CHUNK] = total;
         }
-        p_scale[j] = MAX(p_max / 255.0f, 1e-30f);
-        float inverse = 1.0f / p_scale[j];
-        for (int t = 0; t < keys; t++) p[(size_t)j * keys + t] = (uint8_t)nearbyintf(s[t] * inverse);
     }
-    for (int j = 0; j < n; j += MAX_HEADS_PER_THREAD)
-        values(a, n - j < MAX_HEADS_PER_THREAD ? n - j : MAX_HEADS_PER_THREAD, keys, p + (size_t)j * keys,
-               (int32_t *)acc + (size_t)j * d->latent);
-    for (int j = 0; j < n; j++) {  /* through W_UV, per output column v */
-        int h = h0 + j;
-        float *out = acc + (size_t)j * d->latent;
-        const int32_t *sums = (const int32_t *)out;
-        for (int c = 0; c < d->latent; c++) out[c] = (float)sums[c] * p_scale[j];
-        quantize(out, &back);
+}
+
+/* phase 4, positions: the probabilities (softmax times each position's scale), and the largest per head */
+static void probabilities_task(void *arg, int tid, int threads) {
+    Attention *a = arg;
+    int t0, t1, heads = a->d->heads, keys = a->keys, chunks = (keys + CHUNK - 1) / CHUNK;
+    position_share(keys, tid, threads, &t0, &t1);
+    for (int j = 0; j < heads; j++) {
+        float total = 0, peak = 0, *s = a->scores + (size_t)j * keys;
+        for (int c = 0; c < chunks; c++) total += a->chunk_sums[(size_t)j * chunks + c];
+        for (int t = t0; t < t1; t++) {
+            s[t] = s[t] / total * a->pages->scale[cache_row(a, t)];
+            peak = MAX(peak, s[t]);
+        }
+        a->peak[(size_t)tid * heads + j] = peak;
+    }
+}
+
+static float probability_scale(const Attention *a, int threads, int j) {  /* largest / 255, as the graph quantises */
+    float peak = 0;
+    for (int i = 0; i < threads; i++) peak = MAX(peak, a->peak[(size_t)i * a->d->heads + j]);
+    return MAX(peak / 255.0f, 1e-30f);
+}
+
+/* phase 5, positions: the probability bytes, and this thread's value sums over its positions */
+static void values_task(void *arg, int tid, int threads) {
+    Attention *a = arg;
+    const K2Dims *d = a->d;
+    int t0, t1, heads = d->heads, keys = a->keys;
+    position_share(keys, tid, threads, &t0, &t1);
+    int32_t *sums = a->partial + (size_t)tid * heads * d->latent;
+    memset(sums, 0, (size_t)heads * d->latent * 4);
+    for (int j = 0; j < heads; j++) {
+        float inverse = 1.0f / probability_scale(a, threads, j), *s = a->scores + (size_t)j * keys;
+        uint8_t *p = a->p + (size_t)j * keys;
+        for (int t = t0; t < t1; t++) p[t] = (uint8_t)nearbyintf(s[t] * inverse);
+    }
+    for (int j = 0; j < heads; j += VALUE_HEADS)
+        values(a, MIN(heads - j, VALUE_HEADS), t0, t1, a->p + (size_t)j * keys, keys,
+               sums + (size_t)j * d->latent);
+}
+
+/* phase 6, heads: the threads' value sums added, scaled, quantised, through W_UV per output column v */
+static void output_task(void *arg, int tid, int threads) {
+    Attention *a = arg;
+    const K2Dims *d = a->d;
+    int h0, h1, c_dim = d->latent;
+    share(d->heads, tid, threads, &h0, &h1);
+    Bump b = {a->own + a->own_bytes * tid};
+    Quant back = quant(&b, c_dim, c_dim);
+    float *x = take(&b, c_dim * 4);
+    for (int h = h0; h < h1; h++) {
+        float scale = probability_scale(a, threads, h);
+        for (int c = 0; c < c_dim; c++) {
+            int32_t sum = 0, slot = value_slot(c_dim, c);
+            for (int i = 0; i < threads; i++) sum += a->partial[((size_t)i * d->heads + h) * c_dim + slot];
+            x[c] = (float)sum * scale;
+        }
+        quantize(x, &back);
         for (int i = 0; i < d->v; i++)
-            a->out[(size_t)h * d->v + i] = row_dot(a->l->w_uv + ((size_t)h * d->v + i) * d->latent,
-                                                   a->l->uv_s + (size_t)h * d->v + i, &back);
+            a->out[(size_t)h * d->v + i] = row_dot(a->l->w_uv + ((size_t)h * d->v + i) * c_dim, a->l->uv_s + (size_t)h * d->v + i, &back);
     }
+}
+
+/* one thread's own attention scratch, in bytes */
+static size_t attention_own_bytes(const K2Dims *d) {
+    size_t quant_bytes = (size_t)MAX(d->nope, d->latent) + 3 * 64;
+    return (quant_bytes + (size_t)4 * (d->latent + d->rope + d->heads) + 4 * 64 + 63) / 64 * 64;
+}
+
+/* the attention's scratch for `threads` threads, in bytes */
+static size_t attention_bytes(const K2Dims *d, int threads) {
+    size_t h = d->heads, t = d->max_len, chunks = (t + CHUNK - 1) / CHUNK;
+    size_t shared = h * sizeof(Quant) + h * (d->latent + 3 * 64) + h * t * 5 + (size_t)threads * h * 8 +
+                    h * chunks * 4 + (size_t)threads * h * d->latent * 4 + 8 * 64;
+    return shared + (size_t)threads * attention_own_bytes(d);
+}
+
+static void attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, const int64_t *table, int keys,
+                      const float *q, float *out, char *scratch) {
+    int threads = pool.threads ? pool.threads : 1, h = d->heads;
+    Bump b = {scratch};
+    Attention a = {.d = d, .l = l, .pages = pages, .table = table, .keys = keys, .q = q, .out = out};
+    a.lat = take(&b, h * sizeof(Quant));
+    for (int j = 0; j < h; j++) a.lat[j] = quant(&b, d->latent, d->latent);
+    a.scores = take(&b, (size_t)h * keys * 4);
+    a.p = take(&b, (size_t)h * keys);
+    a.largest = take(&b, (size_t)threads * h * 4);
+    a.peak = take(&b, (size_t)threads * h * 4);
+    a.chunk_sums = take(&b, (size_t)h * ((keys + CHUNK - 1) / CHUNK) * 4);
+    a.partial = take(&b, (size_t)threads * h * d->latent * 4);
+    a.own = b.at; a.own_bytes = attention_own_bytes(d);
+    run(absorb_task, &a);
+    run(scores_task, &a);
+    run(exp_task, &a);
+    run(probabilities_task, &a);
+    run(values_task, &a);
+    run(output_task, &a);
 }
 
 /* ---- routing ---------------------------------------------------------------------------------------------- */
@@ -550,12 +694,6 @@ static void route(const K2Dims *d, const float *scores, const float *bias, int e
 
 /* ---- the step ----------------------------------------------------------------------------------------------- */
 
-/* one thread's attention scratch: its share of the heads (share() gives at most this many) */
-static size_t attention_bytes(const K2Dims *d, int threads) {
-    size_t h = (d->heads + threads - 1) / threads, quants = (h + 2) * (d->latent + 3 * 64) + d->nope + 3 * 64 + h * sizeof(Quant);
-    return quants + (size_t)4 * (d->latent * (h + 2) + d->rope + 2 * h) + (size_t)5 * h * d->max_len + 64 * 18;
-}
-
 /* floats of scratch a step needs */
 long k2_scratch_floats(const K2Model *m, int threads) {
     const K2Dims *d = &m->d;
@@ -567,7 +705,7 @@ long k2_scratch_floats(const K2Model *m, int threads) {
     }
     size_t bytes = 64 * 1024 + (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
                    (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
-                   (size_t)threads * attention_bytes(d, threads) + (size_t)4 * 4096;
+                   attention_bytes(d, threads) + (size_t)4 * 4096;
     return (long)(bytes / 4 + 1);
 }
 
@@ -658,9 +796,7 @@ static void layer_step(const K2Dims *d, const K2Layer *l, float *x, int pos, con
     run(products_task, &second);
     for (int h = 0; h < heads; h++) rope(q + (size_t)h * qk + d->nope, d->rope, l->frequencies, pos, d->rope_scale);
     float *attended = take(&b, (size_t)heads * d->v * 4);
-    Attention a = {d, l, pages, table, pos + 1, q, attended, attention_scratch,
-                   attention_bytes(d, pool.threads ? pool.threads : 1)};
-    run(attention_task, &a);
+    attention(d, l, pages, table, pos + 1, q, attended, attention_scratch);
     Quant oq = quant(&b, l->o.k, l->o.block);
     quantize(attended, &oq);
     float *o = take(&b, m * 4);
@@ -675,7 +811,7 @@ static void layer_step(const K2Dims *d, const K2Layer *l, float *x, int pos, con
 
 static Bump step_scratch(const K2Model *m, float *scratch) {
     int threads = pool.threads ? pool.threads : 1;
-    Bump b = {(char *)scratch + (size_t)threads * attention_bytes(&m->d, threads)};
+    Bump b = {(char *)scratch + attention_bytes(&m->d, threads)};
     b.at = (char *)(((uintptr_t)b.at + 63) / 64 * 64);
     return b;
 }
