@@ -4,6 +4,8 @@ choice between them (auto, native, onnx) and its reasons, and its build."""
 import ctypes
 import dataclasses
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -94,6 +96,38 @@ def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact):
         hidden = expected
 
 
+# One process per thread count (a process's pool is sized once): 156 native steps from an empty cache (three pages,
+# ten chunks of the attention's position split, unevenly shared); prints a hash of the last six steps' logits.
+_LOGITS_HASH = """
+import hashlib, sys
+import numpy as np
+from k2deploy.core.manifest import load_manifest
+from k2deploy.runtime.kv_cache import LatentPages
+from k2deploy.runtime.ort_backend import OrtModel
+model = OrtModel(load_manifest(sys.argv[1]), threads=int(sys.argv[2]), decode="native")
+store, table, digest = LatentPages(model.kv_cache, model.num_layers, 3), np.arange(3), hashlib.sha256()
+for position in range(156):
+    hidden = model.native.step((position * 37) % 500 + 3, position, table, store.arrays)
+    if position >= 150:
+        digest.update(model.native.logits(hidden).tobytes())
+print(digest.hexdigest())
+"""
+
+
+def test_the_native_step_gives_the_same_bits_on_any_number_of_threads(tiny_cpu_artifact):
+    """Products' rows, heads and positions are split over the threads, but every row is one thread's and every
+    sum whose order a split could change is taken in a fixed order: two and three threads give one thread's
+    logits to the bit, over a context of several pages."""
+    _native_or_skip(tiny_cpu_artifact)
+    hashes = {}
+    for threads in (1, 2, 3):
+        run = subprocess.run([sys.executable, "-c", _LOGITS_HASH, str(tiny_cpu_artifact), str(threads)],
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        hashes[threads] = run.stdout.strip()
+    assert hashes[1] == hashes[2] == hashes[3]
+
+
 def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifact):
     model = _native_or_skip(tiny_cpu_artifact)
     cache = model.new_cache(1, 64)
@@ -159,7 +193,6 @@ def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_a
             for decode, threads in (("native", "1"), ("native", "2"), ("onnx", "1"))}
     assert all(run.returncode == 0 for run in runs.values()), [run.stderr for run in runs.values()]
     tokens = {key: json.loads(run.stdout)["token_ids"] for key, run in runs.items()}
-    # a product's rows and an attention head are each one thread's: the threads change nothing
     assert tokens["native", "1"] == tokens["native", "2"]
     refused = run_cli("generate", tiny_artifacts["fp8"], "--prompt-ids", "1,2", "--decode", "native")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
