@@ -396,7 +396,8 @@ static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, 
 #ifdef K2_VNNI
         if (c_dim % 64 == 0) {
             int groups = (rows + 3) / 4;
-            uint32_t words[VALUE_HEADS][PAGE / 4];  /* each head's probability bytes, four positions a word */
+            uint32_t words[VALUE_HEADS][PAGE / 4] = {{0}};  /* each head's probability bytes, four positions a word;
+                                                               heads past n stay 0 (the loops below take all four) */
             for (int j = 0; j < n; j++)
                 for (int g = 0; g < groups; g++) {
                     const uint8_t *four = p + (size_t)j * stride + t + 4 * g;
@@ -408,7 +409,7 @@ static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, 
             const __m512i flip = _mm512_set1_epi8((char)0x80);
             for (int c = 0; c < c_dim; c += 64) {
                 __m512i acc[VALUE_HEADS][4];
-                for (int j = 0; j < n; j++)
+                for (int j = 0; j < VALUE_HEADS; j++)
                     for (int k = 0; k < 4; k++) acc[j][k] = _mm512_setzero_si512();
                 for (int g = 0; g < groups; g++) {
                     __m512i r[4];
@@ -420,7 +421,7 @@ static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, 
                     __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
                     __m512i quad[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
                                        _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
-                    for (int j = 0; j < n; j++) {
+                    for (int j = 0; j < VALUE_HEADS; j++) {
                         __m512i w = _mm512_set1_epi32((int)words[j][g]);
                         for (int k = 0; k < 4; k++) acc[j][k] = _mm512_dpbusd_epi32(acc[j][k], w, quad[k]);
                     }
