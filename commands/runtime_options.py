@@ -27,6 +27,6 @@ def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "")
     parser.add_argument("--threads", type=int, help="the process's one intra-op thread pool, shared by every graph"
                                                     f"{threads_help} (default: this host's physical cores)")
     parser.add_argument("--decode", choices=DECODE_KERNELS, default="auto",
-                        help="how a step of one sequence runs on the cpu provider: native (the C decode step of "
+                        help="how a decode step runs on the cpu provider: native (the C decode step of "
                              "runtime/native, built once with the system's compiler), onnx (the graphs), auto "
                              "(default: native where the artifact and host allow it, else the graphs)")

@@ -92,13 +92,14 @@ def library() -> ctypes.CDLL:
         pointer, number = ctypes.c_void_p, ctypes.c_int
         lib.k2_pool_start.argtypes = [number, pointer]
         lib.k2_pool_start.restype = number
-        lib.k2_scratch_floats.argtypes = [pointer, number]
+        lib.k2_scratch_floats.argtypes = [pointer, number, number]
         lib.k2_scratch_floats.restype = ctypes.c_long
-        lib.k2_decode_step.argtypes = [pointer, number, number, pointer, pointer, pointer, pointer]
+        lib.k2_decode_step.argtypes = [pointer, number, pointer, pointer, pointer, number, pointer, pointer, pointer]
         lib.k2_decode_step.restype = number
-        lib.k2_decode_layers.argtypes = [pointer, number, number, number, pointer, pointer, pointer, pointer]
+        lib.k2_decode_layers.argtypes = [pointer, number, number, number, pointer, pointer, number, pointer, pointer,
+                                         pointer]
         lib.k2_decode_layers.restype = number
-        lib.k2_logits.argtypes = [pointer, pointer, pointer, pointer]
+        lib.k2_logits.argtypes = [pointer, number, pointer, pointer, pointer]
         lib.k2_logits.restype = None
         _loaded = lib
     return _loaded

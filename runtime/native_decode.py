@@ -1,11 +1,13 @@
-"""The native decode step: one sequence's next token through runtime/native/decode_step.c, beside the ONNX graphs.
+"""The native decode step: each sequence's next token through runtime/native/decode_step.c, beside the ONNX graphs.
 
-At batch 1 a decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more
-time between and around them than in them, and does not split them over threads well (README "Threads"). The
-native step runs the same maths over the artifact's own weights (its .data files' bytes as they are, nothing
-re-quantised), each product's rows split over a pool of spinning threads, and writes each layer's new
-latent entry into its page, as the layer graph's outputs would be stored. Prefill, batches of several sequences
-and every other artifact still run through the graphs.
+A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
+and around them than in them, and does not split them over threads well (README "Threads"). The native step runs
+the same maths over the artifact's own weights (its .data files' bytes as they are, nothing re-quantised), each
+product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
+the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each
+weight row is read once and multiplied by every sequence's input, the routed experts that any sequence chose are
+read once for all that chose them, and each sequence's result is the one it gets alone. Prefill and every other
+artifact still run through the graphs.
 
 What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
 linears: MatMulNBits, int8 blocks of the input dim, activations quantised per block (absmax / 127); attention:
@@ -41,7 +43,7 @@ from .thread_pool import core_cpus
 
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-DECODE_KERNELS = ("auto", "native", "onnx")  # how OrtModel runs one sequence's decode step
+DECODE_KERNELS = ("auto", "native", "onnx")  # how OrtModel runs a decode step
 TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
 
 
@@ -156,8 +158,9 @@ class GraphWeights:
 
 
 class NativeDecoder:
-    """The whole model's decode step at batch 1 over one artifact's weights (a cpu-target artifact with the int8
-    cache, int8 linears and 8-bit routed experts); NativeUnavailable where the artifact or host does not fit."""
+    """The whole model's decode step for one or several sequences over one artifact's weights (a cpu-target artifact
+    with the int8 cache, int8 linears and 8-bit routed experts); NativeUnavailable where the artifact or host does
+    not fit."""
 
     def __init__(self, manifest: Manifest, threads: int, max_len: int):
         target, cache = manifest.data.get("target"), manifest.kv_cache.get("format")
@@ -188,14 +191,23 @@ class NativeDecoder:
         self.model = Model(dims, c.num_hidden_layers, self.layers, _address(table),
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
-        self.max_len = max_len
-        scratch = self.lib.k2_scratch_floats(ctypes.addressof(self.model), threads)
-        if available is not None and scratch * 4 > available // 4:
-            raise NativeUnavailable(f"its scratch for {max_len} positions ({scratch * 4 / 2**30:.1f} GiB) is over a "
-                                    f"quarter of the available memory")
-        self.scratch = np.zeros(scratch, np.float32)
+        self.max_len, self.threads_asked, self.batch = max_len, threads, 0
+        self.scratch = np.zeros(0, np.float32)
+        self._room_for(1, NativeUnavailable)
         self.threads = self.lib.k2_pool_start(threads, _address(self.cpus(threads)))  # last: nothing left to refuse
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
+
+    def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:
+        """Scratch for a step of `batch` sequences (grown, never shrunk); `error` where it would take over a quarter
+        of the available memory."""
+        if batch <= self.batch:
+            return
+        floats = self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads_asked, batch)
+        available = available_memory()
+        if available is not None and floats * 4 > available // 4:
+            raise error(f"its scratch for {batch} sequence(s) of up to {self.max_len} positions "
+                        f"({floats * 4 / 2**30:.1f} GiB) is over a quarter of the available memory")
+        self.scratch, self.batch = np.zeros(floats, np.float32), batch
 
     def cpus(self, threads: int) -> np.ndarray:
         """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];
@@ -267,21 +279,38 @@ class NativeDecoder:
         """token at position (the sequence holds `position` entries before it), page_table [n] the sequence's
         pages, arrays the cache's pools by name ([layers, pages, PAGE_SIZE, width]) -> hidden [m], the last layer's
         output; every layer's new entry lands in its page."""
+        return self.steps(np.array([token]), np.array([position]), np.asarray(page_table)[None], arrays)[0]
+
+    def steps(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
+              arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """One token for each of a batch of sequences: tokens, positions [b], page_tables [b, n] -> hidden [b, m].
+        Each weight is read once for the batch; each sequence's result is the one it gets alone."""
         c = self.config
-        if not 0 <= token < c.vocab_size:
-            raise K2Error(f"token id {token} is outside the vocabulary (0..{c.vocab_size - 1})")
-        if not 0 <= position < min(self.max_len, len(page_table) * PAGE_SIZE):
-            raise K2Error(f"position {position} is past the sequence's pages or the model's {self.max_len} positions")
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        tables = np.ascontiguousarray(page_tables, dtype=np.int64)
+        batch = len(tokens)
+        if tables.ndim != 2 or len(positions) != batch or len(tables) != batch or batch == 0:
+            raise K2Error(f"a step takes one token, position and page table per sequence; got {len(tokens)} tokens, "
+                          f"{len(positions)} positions and page tables of shape {tables.shape}")
+        bad = (tokens < 0) | (tokens >= c.vocab_size)
+        if bad.any():
+            raise K2Error(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{c.vocab_size - 1})")
+        bad = (positions < 0) | (positions >= min(self.max_len, tables.shape[1] * PAGE_SIZE))
+        if bad.any():
+            raise K2Error(f"position {int(positions[bad][0])} is past the sequence's pages or the model's "
+                          f"{self.max_len} positions")
         latent, scale, rope = arrays["latent"], arrays["latent_scale"], arrays["rope"]
-        table = np.ascontiguousarray(page_table, dtype=np.int64)
-        if table.min() < 0 or table.max() >= latent.shape[1]:
+        if tables.min() < 0 or tables.max() >= latent.shape[1]:
             raise K2Error("the page table names pages the cache does not hold")
-        hidden = np.empty(c.hidden_size, np.float32)
+        self._room_for(batch)
+        hidden = np.empty((batch, c.hidden_size), np.float32)
         pages = self._layer_pools(latent, scale, rope)
-        status = self.lib.k2_decode_step(ctypes.addressof(self.model), token, position, _address(table),
-                                         ctypes.addressof(pages), _address(hidden), _address(self.scratch))
+        status = self.lib.k2_decode_step(ctypes.addressof(self.model), batch, _address(tokens), _address(positions),
+                                         _address(tables), tables.shape[1], ctypes.addressof(pages),
+                                         _address(hidden), _address(self.scratch))
         if status != 0:
-            raise K2Error(f"the native decode step refused token {token} at position {position}")
+            raise K2Error(f"the native decode step refused tokens {tokens.tolist()} at positions {positions.tolist()}")
         return hidden
 
     def _layer_pools(self, latent: np.ndarray, scale: np.ndarray, rope: np.ndarray) -> ctypes.Array:
@@ -294,8 +323,10 @@ class NativeDecoder:
         return self._pools[1]
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [m] -> logits [vocab] float32: the final norm and the head."""
-        hidden = np.ascontiguousarray(hidden, dtype=np.float32)
-        out = np.empty(self.config.vocab_size, np.float32)
-        self.lib.k2_logits(ctypes.addressof(self.model), _address(hidden), _address(out), _address(self.scratch))
-        return out
+        """hidden [m] or [b, m] -> logits [vocab] or [b, vocab] float32: the final norm and the head."""
+        rows = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.config.hidden_size)
+        self._room_for(len(rows))
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
+        self.lib.k2_logits(ctypes.addressof(self.model), len(rows), _address(rows), _address(out),
+                           _address(self.scratch))
+        return out.reshape(*np.shape(hidden)[:-1], self.config.vocab_size)

@@ -89,8 +89,8 @@ class OrtModel:
                  layers: range | None = None, device_id: int | None = None, host_share: int = 1,
                  decode: str = "auto"):
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
-        by host_share, the number of processes running stages on it). decode: how a step of one sequence and one
-        token runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx" through the
+        by host_share, the number of processes running stages on it). decode: how a decode step (one token for each
+        sequence of a batch) runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx" through the
         graphs, "auto" natively where the artifact, provider and host allow it, else through the graphs
         (`decode_kernels` says which, and why)."""
         if not manifest.data.get("complete"):
@@ -165,12 +165,15 @@ class OrtModel:
     def run(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, entries: CacheView) -> np.ndarray:
         """As forward, through the entries' view. A stage that does not start at layer 0 takes the previous
         stage's hidden [b, s, m] in place of token ids."""
-        if self.native is not None and inputs.shape == (1, 1) and valid[0, 0] and isinstance(entries, LatentPagesView):
-            started = time.perf_counter()
-            hidden = self.native.step(int(inputs[0, 0]), int(positions[0, 0]), entries.page_table[0],
-                                      entries.pages.arrays)
+        if self.native is not None and inputs.shape[1] == 1 and isinstance(entries, LatentPagesView):
+            started = time.perf_counter()  # decode: one token a row; masked rows leave their pages alone
+            rows = np.flatnonzero(valid[:, 0])
+            hidden = np.zeros((len(inputs), 1, self.config.hidden_size), np.float32)
+            if len(rows):
+                hidden[rows, 0] = self.native.steps(inputs[rows, 0], positions[rows, 0], entries.page_table[rows],
+                                                    entries.pages.arrays)
             self._timed("native_step", started)
-            return hidden.reshape(1, 1, -1)
+            return hidden
         if self.first:
             started = time.perf_counter()
             hidden = self.embed_session.run(None, {"token_ids": inputs})[0]
@@ -205,8 +208,8 @@ class OrtModel:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32 (on the stage that ends at the last layer)."""
         started = time.perf_counter()
-        if self.native is not None and hidden.shape[:2] == (1, 1):
-            logits = self.native.logits(hidden[0, 0]).reshape(1, 1, -1)
+        if self.native is not None and hidden.shape[1] == 1:
+            logits = self.native.logits(hidden[:, 0])[:, None]
         else:
             logits = self.head_session.run(None, {"hidden": hidden})[0]
         self._timed("head", started)

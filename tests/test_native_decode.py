@@ -84,9 +84,10 @@ def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact):
         expected = graphs.run_layer(layer, hidden, np.array([[position]], np.int64), view, new)
         got = hidden[0, 0].copy()
         pages = (Pages * 1)(Pages(_address(pools["latent"]), _address(pools["latent_scale"]), _address(pools["rope"])))
-        assert native.lib.k2_decode_layers(ctypes.addressof(native.model), layer, 1, position,
-                                           _address(view.page_table[0]), ctypes.addressof(pages), _address(got),
-                                           _address(native.scratch)) == 0
+        table = np.ascontiguousarray(view.page_table[0], dtype=np.int64)
+        assert native.lib.k2_decode_layers(ctypes.addressof(native.model), layer, 1, 1,
+                                           _address(np.array([position], np.int32)), _address(table), len(table),
+                                           ctypes.addressof(pages), _address(got), _address(native.scratch)) == 0
         change = np.abs(expected[0, 0] - hidden[0, 0]).max()
         assert np.abs(got - expected[0, 0]).max() < 1e-3 * change, layer
         page, offset = view.page_table[0, position // 64], position % 64  # the new entry, as each wrote it
@@ -126,6 +127,42 @@ def test_the_native_step_gives_the_same_bits_on_any_number_of_threads(tiny_cpu_a
         assert run.returncode == 0, run.stderr
         hashes[threads] = run.stdout.strip()
     assert hashes[1] == hashes[2] == hashes[3]
+
+
+def test_a_batch_step_gives_each_sequence_its_own_step_to_the_bit(tiny_cpu_artifact):
+    """Several sequences in one native step (each weight read once for all): every sequence's hidden state and
+    new cache entries are those of its own step alone, to the bit, whatever their lengths."""
+    native = _native_or_skip(tiny_cpu_artifact).native
+    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="native")
+    store = model.new_store(6)
+    tables = np.array([[0, 1], [2, 3], [4, 5]])
+    lengths = [70, 5, 64]  # past a page, inside one, a page exactly
+    for row, length in enumerate(lengths):
+        for position in range(length):
+            native.step((position * 31 + row * 7) % 900 + 2, position, tables[row], store.arrays)
+    tokens, positions = np.array([11, 250, 3]), np.array(lengths)
+    alone = {name: array.copy() for name, array in store.arrays.items()}
+    expected = np.stack([native.step(int(t), int(p), table, alone) for t, p, table in zip(tokens, positions, tables)])
+    got = native.steps(tokens, positions, tables, store.arrays)
+    assert np.array_equal(got, expected)
+    for name in alone:
+        assert np.array_equal(store.arrays[name], alone[name]), name
+    assert np.array_equal(native.logits(got), np.stack([native.logits(row) for row in expected]))
+
+
+def test_generate_decodes_a_batch_natively_as_each_prompt_alone(tiny_cpu_artifact):
+    """The step loop's batch of several sequences goes through the native step in one call, and each sequence's
+    tokens are the ones it gets alone."""
+    model = _native_or_skip(tiny_cpu_artifact)
+    batches, steps = [], model.native.steps
+    model.native.steps = lambda tokens, *rest: batches.append(len(tokens)) or steps(tokens, *rest)
+    generator = Generator(model)
+    prompts = [PROMPT, [9, 8, 7], PROMPT[:5] * 3]
+    params = SamplingParams(max_new_tokens=12)
+    together = generator.generate(prompts, params)
+    assert max(batches) == 3
+    alone = [generator.generate([prompt], params)[0] for prompt in prompts]
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
 
 def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifact):

@@ -1,6 +1,7 @@
-/* One decode step (one sequence, one new token) of a cpu-target artifact, over its own int8 weights.
+/* One decode step (one new token for each of a batch of sequences) of a cpu-target artifact, over its own int8
+ * weights.
  *
- * The maths of the artifact's graphs at batch 1, in their order and their quantisation (runtime/native_decode.py
+ * The maths of the artifact's graphs for each sequence, in their order and their quantisation (runtime/native_decode.py
  * says which graph op each part follows): int8 block weights stored as bytes code + 128 with one float32 scale per
  * block of the input dim (MatMulNBits, QMoE), activations quantised per block to int8 (absmax / 127) before each
  * product, the int8 latent cache read in place (one scale per token), W_UK and W_UV int8 per output column.
@@ -9,7 +10,9 @@
  *
  * Every product's rows, and the attention's heads or positions (phase by phase), are split over a pool of threads
  * that spin between the phases of a step, yield while they wait, sleep after a while idle, and keep each to its own
- * core (k2_pool_start). Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
+ * core (k2_pool_start). A weight row is read once for the whole batch (each routed expert once for the sequences
+ * that chose it) and multiplied by each sequence's input; a sequence's result does not depend on the batch or on
+ * the number of threads. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
  * e experts.
  */
 #define _GNU_SOURCE
@@ -246,48 +249,52 @@ static float row_dot(const uint8_t *w, const float *ws, const Quant *a) {
     return total - 128.0f * corr;
 }
 
-#define MAX_PARTS 80
-typedef struct {            /* products that share one input, their rows taken as one run split over the threads */
+typedef struct {            /* products whose rows are taken as one run split over the threads: each row of part i
+                               times each of the part's count[i] inputs (a row is read once for all of them) */
     int parts;
-    K2Lin lin[MAX_PARTS];
-    const Quant *in[MAX_PARTS];
-    float *out[MAX_PARTS];
+    const K2Lin *lin;         /* [parts] */
+    const int *count;         /* [parts] */
+    const Quant *const *in;   /* [parts] -> [count[i]] */
+    float *const *out;        /* [parts] -> [count[i], lin[i].n] */
 } Products;
 
 static void products_task(void *arg, int tid, int threads) {
-    Products *p = arg;
+    const Products *p = arg;
     int total = 0;
     for (int i = 0; i < p->parts; i++) total += p->lin[i].n;
     int start, stop;
     share(total, tid, threads, &start, &stop);
     int base = 0;
-    for (int i = 0; i < p->parts; i++) {
+    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of rows streams in order */
         const K2Lin *l = &p->lin[i];
         int lo = start > base ? start - base : 0, hi = stop - base < l->n ? stop - base : l->n;
         int blocks = l->k / l->block;
-        for (int r = lo; r < hi; r++) p->out[i][r] = row_dot(l->w + (size_t)r * l->k, l->s + (size_t)r * blocks, p->in[i]);
+        for (int r = lo; r < hi; r++) {
+            const uint8_t *w = l->w + (size_t)r * l->k;
+            const float *ws = l->s + (size_t)r * blocks;
+            for (int j = 0; j < p->count[i]; j++) p->out[i][(size_t)j * l->n + r] = row_dot(w, ws, &p->in[i][j]);
+        }
         base += l->n;
     }
 }
 
-typedef struct {            /* y[r] = sum over parts of weight[i] * row r of part i (the MoE's down products) */
-    int parts, rows;
-    K2Lin lin[MAX_PARTS];
-    const Quant *in[MAX_PARTS];
-    float weight[MAX_PARTS];
-    float *out;
-} Mixed;
+typedef struct {            /* y [batch, rows]: y[s, r] = sum over t of weight[s, t] * term[s, t][r], t in order */
+    int batch, rows, terms;
+    const float *const *term; /* [batch, terms] -> [rows] */
+    const float *weight;      /* [batch, terms] */
+    float *y;
+} Combine;
 
-static void mixed_task(void *arg, int tid, int threads) {
-    Mixed *p = arg;
+static void combine_task(void *arg, int tid, int threads) {
+    const Combine *c = arg;
     int start, stop;
-    share(p->rows, tid, threads, &start, &stop);
-    for (int r = start; r < stop; r++) p->out[r] = 0;
-    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of rows streams in order */
-        const K2Lin *l = &p->lin[i];
-        for (int r = start; r < stop; r++)
-            p->out[r] += p->weight[i] * row_dot(l->w + (size_t)r * l->k, l->s + (size_t)r * (l->k / l->block), p->in[i]);
-    }
+    share(c->rows, tid, threads, &start, &stop);
+    for (int s = 0; s < c->batch; s++)
+        for (int r = start; r < stop; r++) {
+            float y = 0;
+            for (int t = 0; t < c->terms; t++) y += c->weight[s * c->terms + t] * c->term[s * c->terms + t][r];
+            c->y[(size_t)s * c->rows + r] = y;
+        }
 }
 
 /* ---- scratch -------------------------------------------------------------------------------------------- */
@@ -644,16 +651,17 @@ static void attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, c
 
 /* ---- routing ---------------------------------------------------------------------------------------------- */
 
-typedef struct { const float *router, *x; float *scores; int experts, hidden; } Router;
+typedef struct { const float *router, *x; float *scores; int experts, hidden, batch; } Router; /* x [batch, m] */
 
-static void router_task(void *arg, int tid, int threads) {
+static void router_task(void *arg, int tid, int threads) {  /* scores [batch, e] */
     Router *r = arg;
     int start, stop;
     share(r->experts, tid, threads, &start, &stop);
-    for (int e = start; e < stop; e++) {
-        float s = dot_f32(r->x, r->router + (size_t)e * r->hidden, r->hidden);
-        r->scores[e] = 1.0f / (1.0f + expf(-s));
-    }
+    for (int e = start; e < stop; e++)
+        for (int b = 0; b < r->batch; b++) {
+            float s = dot_f32(r->x + (size_t)b * r->hidden, r->router + (size_t)e * r->hidden, r->hidden);
+            r->scores[(size_t)b * r->experts + e] = 1.0f / (1.0f + expf(-s));
+        }
 }
 
 /* the k best of values (ties to the lower index) -> ids in order, best first */
@@ -695,86 +703,153 @@ static void route(const K2Dims *d, const float *scores, const float *bias, int e
 
 /* ---- the step ----------------------------------------------------------------------------------------------- */
 
-/* floats of scratch a step needs */
-long k2_scratch_floats(const K2Model *m, int threads) {
+/* floats of scratch a step of up to `batch` sequences needs */
+long k2_scratch_floats(const K2Model *m, int threads, int batch) {
     const K2Dims *d = &m->d;
-    size_t widest = d->hidden;
+    size_t widest = d->hidden, experts = 0;
     for (int i = 0; i < m->layers; i++) {
         const K2Layer *l = &m->layer[i];
         size_t rows = l->moe ? (size_t)2 * l->width * (d->top_k + 1) : (size_t)2 * l->width;
         if (rows > widest) widest = rows;
+        if (l->moe && (size_t)l->experts > experts) experts = l->experts;
     }
-    size_t bytes = 64 * 1024 + (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
-                   (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
-                   attention_bytes(d, threads) + (size_t)4 * 4096;
+    size_t per_sequence = (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
+                          (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
+                          (size_t)(d->top_k + 8) * (64 * 8 + 2 * sizeof(Quant) + 8 * sizeof(void *) + 2 * sizeof(K2Lin)) +
+                          experts * 4;
+    size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + attention_bytes(d, threads) +
+                   (size_t)4 * 4096;
     return (long)(bytes / 4 + 1);
 }
 
-static void mlp(const K2Dims *d, const K2Layer *l, const float *xn, float *y, Bump b) {
-    Quant x = quant(&b, d->hidden, l->gate.n ? l->gate.block : l->block);
-    quantize(xn, &x);
-    int chosen[MAX_TOP_K]; float weights[MAX_TOP_K];
-    int experts = 0;
-    Products up = {0};
-    float *gate_up[MAX_PARTS];
-    if (l->moe) {
-        float *scores = take(&b, l->experts * 4);
-        Router r = {l->router, xn, scores, l->experts, d->hidden};
-        run(router_task, &r);
-        route(d, scores, l->bias, l->experts, chosen, weights);
-        experts = d->top_k;
-        Quant xe = quant(&b, d->hidden, l->block);
-        quantize(xn, &xe);
-        for (int j = 0; j < experts; j++) {
-            size_t e = (size_t)chosen[j], rows = (size_t)2 * l->width;
-            up.lin[up.parts] = (K2Lin){l->fc1 + e * rows * d->hidden, l->fc1_s + e * rows * (d->hidden / l->block),
-                                       (int)rows, d->hidden, l->block};
-            up.in[up.parts] = take(&b, sizeof(Quant)); *(Quant *)up.in[up.parts] = xe;
-            gate_up[up.parts] = up.out[up.parts] = take(&b, rows * 4);
-            up.parts++;
+/* the routed experts as products' parts: each expert that any sequence of the batch chose, once, its inputs in
+   the order the choices come (sequence by sequence, best first) */
+typedef struct {
+    int parts;
+    K2Lin *up, *down;         /* [parts] the expert's gate-and-up rows (interleaved), its down rows */
+    int *count;               /* [parts] its inputs */
+    int *part, *slot;         /* [batch, k] each choice's part and its input's place there */
+} Experts;
+
+static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const int *chosen, Bump *b) {
+    int k = d->top_k, m = d->hidden;
+    size_t rows = (size_t)2 * l->width;
+    Experts x = {0};
+    int *part_of = take(b, (size_t)l->experts * 4);
+    for (int e = 0; e < l->experts; e++) part_of[e] = -1;
+    x.up = take(b, (size_t)batch * k * sizeof(K2Lin));
+    x.down = take(b, (size_t)batch * k * sizeof(K2Lin));
+    x.count = take(b, (size_t)batch * k * 4);
+    x.part = take(b, (size_t)batch * k * 4);
+    x.slot = take(b, (size_t)batch * k * 4);
+    for (int i = 0; i < batch * k; i++) {
+        size_t e = (size_t)chosen[i];
+        if (part_of[e] < 0) {
+            part_of[e] = x.parts;
+            x.up[x.parts] = (K2Lin){l->fc1 + e * rows * m, l->fc1_s + e * rows * (m / l->block), (int)rows, m, l->block};
+            x.down[x.parts] = (K2Lin){l->fc2 + e * m * l->width, l->fc2_s + e * m * (l->width / l->block), m, l->width,
+                                      l->block};
+            x.count[x.parts++] = 0;
         }
+        x.part[i] = part_of[e];
+        x.slot[i] = x.count[part_of[e]]++;
     }
-    int shared = up.parts;
-    if (l->gate.n) {  /* the dense MLP, or the shared expert: gate and up */
-        up.lin[up.parts] = l->gate; up.in[up.parts] = &x; up.out[up.parts++] = take(&b, l->gate.n * 4);
-        up.lin[up.parts] = l->up; up.in[up.parts] = &x; up.out[up.parts++] = take(&b, l->up.n * 4);
-    }
-    run(products_task, &up);
-    Mixed down = {0};
-    down.rows = d->hidden; down.out = y;
-    for (int j = 0; j < experts; j++) {  /* silu(gate) * up, quantised for the down product */
-        float *h = take(&b, l->width * 4);
-        for (int i = 0; i < l->width; i++) h[i] = silu(gate_up[j][2 * i]) * gate_up[j][2 * i + 1];
-        Quant *q = take(&b, sizeof(Quant)); *q = quant(&b, l->width, l->block);
-        quantize(h, q);
-        size_t e = (size_t)chosen[j];
-        down.lin[down.parts] = (K2Lin){l->fc2 + e * d->hidden * l->width,
-                                       l->fc2_s + e * d->hidden * (l->width / l->block), d->hidden, l->width, l->block};
-        down.in[down.parts] = q; down.weight[down.parts++] = weights[j];
-    }
-    if (l->gate.n) {
-        int width = l->gate.n;
-        float *h = take(&b, width * 4);
-        for (int i = 0; i < width; i++) h[i] = silu(up.out[shared][i]) * up.out[shared + 1][i];
-        Quant *q = take(&b, sizeof(Quant)); *q = quant(&b, width, l->down.block);
-        quantize(h, q);
-        down.lin[down.parts] = l->down; down.in[down.parts] = q; down.weight[down.parts++] = 1.0f;
-    }
-    run(mixed_task, &down);
+    return x;
 }
 
-static void layer_step(const K2Dims *d, const K2Layer *l, float *x, int pos, const K2Pages *pages,
-                       const int64_t *table, Bump b, char *attention_scratch) {
-    int m = d->hidden, heads = d->heads, qk = d->nope + d->rope;
-    float *xn = take(&b, m * 4);
-    rms_norm(x, l->in_norm, m, d->eps, xn);
-    Quant xq = quant(&b, m, l->q_a.block);
-    quantize(xn, &xq);
-    float *q_a = take(&b, l->q_a.n * 4), *kv = take(&b, l->kv_a.n * 4);
-    Products first = {2, {l->q_a, l->kv_a}, {&xq, &xq}, {q_a, kv}};
-    run(products_task, &first);
-    /* the new entry: latent normalised, quantised per token; rope key roped, float16; into its page */
-    float *latent = take(&b, d->latent * 4);
+/* silu(gate) * up of `count` rows of gate and up -> their int8 inputs of the down product */
+static Quant *activations(const float *gate, const float *up, size_t stride, int step, int count, int width,
+                          int block, Bump *b) {
+    Quant *h = take(b, count * sizeof(Quant));
+    float *act = take(b, width * 4);
+    for (int j = 0; j < count; j++) {
+        const float *g = gate + (size_t)j * stride, *u = up + (size_t)j * stride;
+        for (int i = 0; i < width; i++) act[i] = silu(g[(size_t)step * i]) * u[(size_t)step * i];
+        h[j] = quant(b, width, block);
+        quantize(act, &h[j]);
+    }
+    return h;
+}
+
+/* xn [batch, m] -> y [batch, m]: the dense MLP, or the routed experts and the shared one. Each matrix is read once
+   for the whole batch, and each sequence's result is the one it gets alone (the same products, summed in the same
+   order). */
+static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, float *y, Bump b) {
+    int m = d->hidden, k = l->moe ? d->top_k : 0, dense = l->gate.n > 0, terms = k + dense;
+    Experts x = {0};
+    Quant *xe = NULL;
+    int *chosen = take(&b, (size_t)batch * (k + 1) * 4);
+    float *weight = take(&b, (size_t)batch * terms * 4);
+    if (l->moe) {
+        float *scores = take(&b, (size_t)batch * l->experts * 4);
+        Router r = {l->router, xn, scores, l->experts, m, batch};
+        run(router_task, &r);
+        xe = take(&b, batch * sizeof(Quant));
+        for (int s = 0; s < batch; s++) {
+            route(d, scores + (size_t)s * l->experts, l->bias, l->experts, chosen + s * k, weight + s * terms);
+            xe[s] = quant(&b, m, l->block);
+            quantize(xn + (size_t)s * m, &xe[s]);
+        }
+        x = group_experts(d, l, batch, chosen, &b);
+    }
+    /* gate and up: each expert's rows times its inputs, then (dense, or shared expert) every sequence's */
+    int parts = x.parts + 2 * dense;
+    K2Lin *lin = take(&b, parts * sizeof(K2Lin));
+    int *count = take(&b, parts * 4);
+    const Quant **in = take(&b, parts * sizeof(Quant *));
+    float **out = take(&b, parts * sizeof(float *));
+    for (int u = 0; u < x.parts; u++) {
+        Quant *inputs = take(&b, x.count[u] * sizeof(Quant));
+        for (int i = 0; i < batch * k; i++)
+            if (x.part[i] == u) inputs[x.slot[i]] = xe[i / k];
+        lin[u] = x.up[u]; count[u] = x.count[u]; in[u] = inputs;
+        out[u] = take(&b, (size_t)x.count[u] * x.up[u].n * 4);
+    }
+    if (dense) {
+        Quant *xd = take(&b, batch * sizeof(Quant));
+        for (int s = 0; s < batch; s++) {
+            xd[s] = quant(&b, m, l->gate.block);
+            quantize(xn + (size_t)s * m, &xd[s]);
+        }
+        for (int i = 0; i < 2; i++) {
+            lin[x.parts + i] = i ? l->up : l->gate; count[x.parts + i] = batch; in[x.parts + i] = xd;
+            out[x.parts + i] = take(&b, (size_t)batch * l->gate.n * 4);
+        }
+    }
+    Products up = {parts, lin, count, in, out};
+    run(products_task, &up);
+    /* down: each expert's rows times its activations, then the dense (shared) one's; summed per sequence */
+    int down_parts = x.parts + dense;
+    K2Lin *down_lin = take(&b, down_parts * sizeof(K2Lin));
+    int *down_count = take(&b, down_parts * 4);
+    const Quant **down_in = take(&b, down_parts * sizeof(Quant *));
+    float **down_out = take(&b, down_parts * sizeof(float *));
+    const float **term = take(&b, (size_t)batch * terms * sizeof(float *));
+    for (int u = 0; u < x.parts; u++) {  /* the gate and up rows interleaved */
+        down_lin[u] = x.down[u]; down_count[u] = x.count[u];
+        down_in[u] = activations(out[u], out[u] + 1, x.up[u].n, 2, x.count[u], l->width, l->block, &b);
+        down_out[u] = take(&b, (size_t)x.count[u] * m * 4);
+    }
+    for (int i = 0; i < batch * k; i++)
+        term[(i / k) * terms + i % k] = down_out[x.part[i]] + (size_t)x.slot[i] * m;
+    if (dense) {
+        down_lin[x.parts] = l->down; down_count[x.parts] = batch;
+        down_in[x.parts] = activations(out[x.parts], out[x.parts + 1], l->gate.n, 1, batch, l->gate.n, l->down.block, &b);
+        down_out[x.parts] = take(&b, (size_t)batch * m * 4);
+        for (int s = 0; s < batch; s++) {
+            term[s * terms + k] = down_out[x.parts] + (size_t)s * m;
+            weight[s * terms + k] = 1.0f;
+        }
+    }
+    Products down = {down_parts, down_lin, down_count, down_in, down_out};
+    run(products_task, &down);
+    Combine sum = {batch, m, terms, term, weight, y};
+    run(combine_task, &sum);
+}
+
+/* each sequence's new entry: latent normalised, quantised per token; rope key roped, float16; into its page */
+static void store_entry(const K2Dims *d, const K2Layer *l, float *kv, int pos, const int64_t *table,
+                        const K2Pages *pages, float *latent) {
     rms_norm(kv, l->kv_norm, d->latent, d->eps, latent);
     rope(kv + d->latent, d->rope, l->frequencies, pos, d->rope_scale);
     size_t row = (size_t)table[pos / PAGE] * PAGE + pos % PAGE;
@@ -788,26 +863,62 @@ static void layer_step(const K2Dims *d, const K2Layer *l, float *x, int pos, con
     }
     pages->scale[row] = scale;
     for (int i = 0; i < d->rope; i++) pages->rope[row * d->rope + i] = to_half(kv[d->latent + i]);
-    /* the query */
-    float *q_an = take(&b, l->q_a.n * 4), *q = take(&b, (size_t)heads * qk * 4);
-    rms_norm(q_a, l->q_norm, l->q_a.n, d->eps, q_an);
-    Quant qq = quant(&b, l->q_b.k, l->q_b.block);
-    quantize(q_an, &qq);
-    Products second = {1, {l->q_b}, {&qq}, {q}};
-    run(products_task, &second);
-    for (int h = 0; h < heads; h++) rope(q + (size_t)h * qk + d->nope, d->rope, l->frequencies, pos, d->rope_scale);
-    float *attended = take(&b, (size_t)heads * d->v * 4);
-    attention(d, l, pages, table, pos + 1, q, attended, attention_scratch);
-    Quant oq = quant(&b, l->o.k, l->o.block);
-    quantize(attended, &oq);
-    float *o = take(&b, m * 4);
-    Products third = {1, {l->o}, {&oq}, {o}};
-    run(products_task, &third);
-    for (int i = 0; i < m; i++) x[i] += o[i];
-    rms_norm(x, l->post_norm, m, d->eps, xn);
-    float *y = take(&b, m * 4);
-    mlp(d, l, xn, y, b);
-    for (int i = 0; i < m; i++) x[i] += y[i];
+}
+
+/* x [batch, k] rows, each normalised by w (NULL: as it is) and quantised in blocks -> [batch] int8 inputs */
+static Quant *quantize_rows(const float *x, int batch, int k, const float *w, float eps, int block, Bump *b) {
+    Quant *q = take(b, batch * sizeof(Quant));
+    float *normed = w ? take(b, k * 4) : NULL;
+    for (int s = 0; s < batch; s++) {
+        const float *row = x + (size_t)s * k;
+        if (w) { rms_norm(row, w, k, eps, normed); row = normed; }
+        q[s] = quant(b, k, block);
+        quantize(row, &q[s]);
+    }
+    return q;
+}
+
+static void one_product(const K2Lin *l, int batch, const Quant *in, float *out) {  /* out [batch, n] */
+    const Quant *ins[1] = {in};
+    float *outs[1] = {out};
+    Products p = {1, l, &batch, ins, outs};
+    run(products_task, &p);
+}
+
+/* one layer for `batch` sequences: x [batch, m] in and out; sequence s at position pos[s], its page ids
+   tables [s * table_len ..]; each sequence's new entry into its page */
+static void layer_step(const K2Dims *d, const K2Layer *l, int batch, float *x, const int *pos, const K2Pages *pages,
+                       const int64_t *tables, int table_len, Bump b, char *attention_scratch) {
+    int m = d->hidden, heads = d->heads, qk = d->nope + d->rope;
+    Quant *xq = quantize_rows(x, batch, m, l->in_norm, d->eps, l->q_a.block, &b);
+    float *q_a = take(&b, (size_t)batch * l->q_a.n * 4), *kv = take(&b, (size_t)batch * l->kv_a.n * 4);
+    K2Lin first_lin[2] = {l->q_a, l->kv_a};
+    int first_count[2] = {batch, batch};
+    const Quant *first_in[2] = {xq, xq};
+    float *first_out[2] = {q_a, kv};
+    Products first = {2, first_lin, first_count, first_in, first_out};
+    run(products_task, &first);
+    float *latent = take(&b, d->latent * 4);
+    for (int s = 0; s < batch; s++)
+        store_entry(d, l, kv + (size_t)s * l->kv_a.n, pos[s], tables + (size_t)s * table_len, pages, latent);
+    float *q = take(&b, (size_t)batch * heads * qk * 4);
+    one_product(&l->q_b, batch, quantize_rows(q_a, batch, l->q_a.n, l->q_norm, d->eps, l->q_b.block, &b), q);
+    float *attended = take(&b, (size_t)batch * heads * d->v * 4);
+    for (int s = 0; s < batch; s++) {
+        float *q_s = q + (size_t)s * heads * qk;
+        for (int h = 0; h < heads; h++) rope(q_s + (size_t)h * qk + d->nope, d->rope, l->frequencies, pos[s], d->rope_scale);
+        attention(d, l, pages, tables + (size_t)s * table_len, pos[s] + 1, q_s, attended + (size_t)s * heads * d->v,
+                  attention_scratch);
+    }
+    float *o = take(&b, (size_t)batch * m * 4);
+    one_product(&l->o, batch, quantize_rows(attended, batch, heads * d->v, NULL, 0, l->o.block, &b), o);
+    float *xn = take(&b, (size_t)batch * m * 4), *y = take(&b, (size_t)batch * m * 4);
+    for (int s = 0; s < batch; s++) {
+        for (int i = 0; i < m; i++) x[(size_t)s * m + i] += o[(size_t)s * m + i];
+        rms_norm(x + (size_t)s * m, l->post_norm, m, d->eps, xn + (size_t)s * m);
+    }
+    mlp(d, l, batch, xn, y, b);
+    for (size_t i = 0; i < (size_t)batch * m; i++) x[i] += y[i];
 }
 
 static Bump step_scratch(const K2Model *m, float *scratch) {
@@ -817,43 +928,45 @@ static Bump step_scratch(const K2Model *m, float *scratch) {
     return b;
 }
 
-/* layers first .. first + count - 1 of one token at position pos (the sequence holds pos entries): each layer's new
-   entry into its page (table [pos / PAGE + 1] page ids; pages[i] the pools of layer first + i), hidden [m] in and
-   out. scratch: k2_scratch_floats floats. Returns 0, or -1 on a bad argument. */
-int k2_decode_layers(const K2Model *m, int first, int count, int pos, const int64_t *table, const K2Pages *pages,
-                     float *hidden, float *scratch) {
+/* layers first .. first + count - 1 of `batch` sequences, one token each: sequence s at position pos[s] (it holds
+   pos[s] entries), its page ids tables [s * table_len ..] (pos[s] / PAGE < table_len); each layer's new entries
+   into their pages (pages[i]: the pools of layer first + i); hidden [batch, m] in and out. scratch:
+   k2_scratch_floats floats for at least `batch`. Returns 0, or -1 on a bad argument. */
+int k2_decode_layers(const K2Model *m, int first, int count, int batch, const int *pos, const int64_t *tables,
+                     int table_len, const K2Pages *pages, float *hidden, float *scratch) {
     const K2Dims *d = &m->d;
-    if (first < 0 || count < 0 || first + count > m->layers || pos < 0 || pos >= d->max_len) return -1;
+    if (first < 0 || count < 0 || first + count > m->layers || batch < 1) return -1;
+    for (int s = 0; s < batch; s++)
+        if (pos[s] < 0 || pos[s] >= d->max_len || pos[s] / PAGE >= table_len) return -1;
     if (d->top_k > MAX_TOP_K || d->n_group > MAX_GROUPS || d->topk_group > MAX_GROUPS) return -1;
     for (int i = 0; i < count; i++)
         if (m->layer[first + i].moe && m->layer[first + i].experts > MAX_EXPERTS) return -1;
     Bump b = step_scratch(m, scratch);
     Held held = hold_cpu();
     for (int i = 0; i < count; i++)
-        layer_step(d, &m->layer[first + i], hidden, pos, &pages[i], table, b, (char *)scratch);
+        layer_step(d, &m->layer[first + i], batch, hidden, pos, &pages[i], tables, table_len, b, (char *)scratch);
     release_cpu(&held);
     return 0;
 }
 
-/* the embedding of token, then every layer (k2_decode_layers) */
-int k2_decode_step(const K2Model *m, int token, int pos, const int64_t *table, const K2Pages *pages,
-                   float *hidden, float *scratch) {
+/* each sequence's token embedded, then every layer (k2_decode_layers) */
+int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *pos, const int64_t *tables,
+                   int table_len, const K2Pages *pages, float *hidden, float *scratch) {
     const K2Dims *d = &m->d;
-    if (token < 0 || token >= d->vocab) return -1;
-    for (int i = 0; i < d->hidden; i++) hidden[i] = from_bf16(m->embed[(size_t)token * d->hidden + i]);
-    return k2_decode_layers(m, 0, m->layers, pos, table, pages, hidden, scratch);
+    for (int s = 0; s < batch; s++) {
+        if (tokens[s] < 0 || tokens[s] >= d->vocab) return -1;
+        for (int i = 0; i < d->hidden; i++)
+            hidden[(size_t)s * d->hidden + i] = from_bf16(m->embed[(size_t)tokens[s] * d->hidden + i]);
+    }
+    return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
 }
 
-/* hidden [m] -> logits [vocab]: the final norm and the head */
-void k2_logits(const K2Model *m, const float *hidden, float *logits, float *scratch) {
+/* hidden [batch, m] -> logits [batch, vocab]: the final norm and the head, its rows read once for the batch */
+void k2_logits(const K2Model *m, int batch, const float *hidden, float *logits, float *scratch) {
     const K2Dims *d = &m->d;
     Bump b = step_scratch(m, scratch);
-    float *xn = take(&b, d->hidden * 4);
-    rms_norm(hidden, m->final_norm, d->hidden, d->eps, xn);
-    Quant xq = quant(&b, d->hidden, m->head.block);
-    quantize(xn, &xq);
-    Products head = {1, {m->head}, {&xq}, {logits}};
     Held held = hold_cpu();
-    run(products_task, &head);
+    one_product(&m->head, batch, quantize_rows(hidden, batch, d->hidden, m->final_norm, d->eps, m->head.block, &b),
+                logits);
     release_cpu(&held);
 }
