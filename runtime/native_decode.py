@@ -11,12 +11,13 @@ artifact still run through the graphs.
 
 What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
 linears: MatMulNBits, int8 blocks of the input dim, activations quantised per block (absmax / 127); attention:
-MlaAttentionInt8Cache over the int8 cache read in place, W_UK and W_UV int8 per output column, the query rows and
-the probabilities quantised per row as the graph does; routing: MoeRoute (sigmoid, correction bias, group limit,
-top-k with ties to the lower id, normalise, scale); experts: QMoE's fused SwiGLU (gate and up rows interleaved),
-activations quantised per block (ONNX Runtime's QMoE with accuracy_level 4 does the same: measured equal to 1e-7).
-Layer by layer its output is the graph's to float rounding (tests/test_native_decode.py); the order of float sums
-differs, so over many steps an int8 rounding step or a near-tied expert flips now and then.
+MlaAttentionInt8Cache over the int8 cache read in place, W_UK and W_UV int8 per output column (held four input rows
+interleaved), the query rows and the probabilities quantised per row as the graph does; routing: MoeRoute (sigmoid,
+correction bias, group limit, top-k with ties to the lower id, normalise, scale); experts: QMoE's fused SwiGLU
+(gate and up rows interleaved), activations quantised per block (ONNX Runtime's QMoE with accuracy_level 4 does the
+same: measured equal to 1e-7). Layer by layer its output is the graph's to float rounding
+(tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
+near-tied expert flips now and then.
 
 ONNX Runtime's sessions hold their own (prepacked) copy of the weights for prefill, and the native step reads the
 layer and head weight files into memory of its own: a process holds the decoder weights twice (on `small` 217 MB
@@ -76,6 +77,13 @@ class Pages(ctypes.Structure):
 
 def _address(array: np.ndarray) -> int:
     return array.ctypes.data
+
+
+def four_rows(w: np.ndarray) -> np.ndarray:
+    """[h, k, n] -> [h, k / 4, n, 4]: each run of four input rows interleaved per column, so that one int8 dot
+    instruction takes four rows' products for 16 columns (decode_step.c columns_product)."""
+    h, k, n = w.shape
+    return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))
 
 
 def _read(file: Path) -> np.ndarray:
@@ -232,8 +240,11 @@ class NativeDecoder:
         m, h, d, r, v, lat = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
                               c.v_head_dim, c.kv_lora_rank)
         attn = "self_attn."
-        w_uk = g.keep(np.ascontiguousarray(g.array(f"{attn}kv_b_proj.w_uk_int8", (h, d, lat), (2,)).transpose(0, 2, 1)))
-        w_uv = g.keep(np.ascontiguousarray(g.array(f"{attn}kv_b_proj.w_uv_int8", (h, lat, v), (2,)).transpose(0, 2, 1)))
+        if d % 4 or lat % 4:
+            raise NativeUnavailable(f"it takes W_UK and W_UV four input rows at a time: qk_nope_head_dim {d} and "
+                                    f"kv_lora_rank {lat} must be multiples of 4")
+        w_uk = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uk_int8", (h, d, lat), (2,))))
+        w_uv = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uv_int8", (h, lat, v), (2,))))
         layer = Layer(
             in_norm=_address(g.floats("input_layernorm.weight", (m,))),
             q_norm=_address(g.floats(f"{attn}q_a_layernorm.weight", (c.q_lora_rank,))),

@@ -52,7 +52,7 @@ typedef struct {
 typedef struct {
     const float *in_norm, *q_norm, *kv_norm, *post_norm, *frequencies; /* [m], [q_rank], [c], [m], [r / 2] */
     K2Lin q_a, q_b, kv_a, o;
-    const uint8_t *w_uk, *w_uv;   /* W_UK^T [h, c, d], W_UV^T [h, v, c] as bytes code + 128 */
+    const uint8_t *w_uk, *w_uv;   /* W_UK [h, d / 4, c, 4], W_UV [h, c / 4, v, 4] (four_rows), bytes code + 128 */
     const float *uk_s, *uv_s;     /* [h, c], [h, v] */
     int moe, experts, width;      /* dense: width = intermediate; MoE: width = expert width */
     K2Lin gate, up, down;         /* the dense MLP, or the shared expert (n = 0: none) */
@@ -247,6 +247,40 @@ static float row_dot(const uint8_t *w, const float *ws, const Quant *a) {
         corr += scale * (float)a->sum[j];
     }
     return total - 128.0f * corr;
+}
+
+/* y [n] = x times w, a [k, n] matrix with one block of k per output column, stored four rows interleaved: [k / 4, n,
+   4], bytes code + 128, column scales ws [n] (the absorbed W_UK and W_UV): y[j] = (sum_i (w[i, j] - 128) q[i]) *
+   ws[j] * scale. With VNNI, one vpdpbusd adds four rows' products to 16 columns, and no sum crosses lanes. */
+static void columns_product(const uint8_t *w, const float *ws, int n, const Quant *a, float *y) {
+    int k = a->k;
+    int32_t corr = 128 * a->sum[0];
+#ifdef K2_VNNI
+    if (n % 128 == 0 && k % 4 == 0) {
+        for (int j0 = 0; j0 < n; j0 += 128) {
+            __m512i acc[8];
+            for (int v = 0; v < 8; v++) acc[v] = _mm512_setzero_si512();
+            for (int g = 0; g < k / 4; g++) {
+                int32_t four;
+                memcpy(&four, a->q + 4 * g, 4);
+                __m512i x = _mm512_set1_epi32(four);
+                const uint8_t *rows = w + ((size_t)g * n + j0) * 4;
+                for (int v = 0; v < 8; v++) acc[v] = _mm512_dpbusd_epi32(acc[v], _mm512_loadu_si512(rows + 64 * v), x);
+            }
+            for (int v = 0; v < 8; v++) {
+                __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[v], _mm512_set1_epi32(corr)));
+                __m512 scales = _mm512_mul_ps(_mm512_loadu_ps(ws + j0 + 16 * v), _mm512_set1_ps(a->s[0]));
+                _mm512_storeu_ps(y + j0 + 16 * v, _mm512_mul_ps(sums, scales));
+            }
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < n; j++) {
+        int32_t sum = 0;
+        for (int i = 0; i < k; i++) sum += (int32_t)w[((size_t)(i / 4) * n + j) * 4 + i % 4] * a->q[i];
+        y[j] = (float)(sum - corr) * (ws[j] * a->s[0]);
+    }
 }
 
 typedef struct {            /* products whose rows are taken as one run split over the threads: each row of part i
@@ -498,8 +532,8 @@ static void absorb_task(void *arg, int tid, int threads) {
     float *q_lat = take(&b, d->latent * 4);
     for (int h = h0; h < h1; h++) {
         quantize(a->q + (size_t)h * qk, &nope);
-        for (int c = 0; c < d->latent; c++)
-            q_lat[c] = row_dot(a->l->w_uk + ((size_t)h * d->latent + c) * d->nope, a->l->uk_s + (size_t)h * d->latent + c, &nope);
+        columns_product(a->l->w_uk + (size_t)h * d->nope * d->latent, a->l->uk_s + (size_t)h * d->latent, d->latent,
+                        &nope, q_lat);
         quantize(q_lat, &a->lat[h]);
     }
 }
@@ -608,8 +642,8 @@ static void output_task(void *arg, int tid, int threads) {
             x[c] = (float)sum * scale;
         }
         quantize(x, &back);
-        for (int i = 0; i < d->v; i++)
-            a->out[(size_t)h * d->v + i] = row_dot(a->l->w_uv + ((size_t)h * d->v + i) * c_dim, a->l->uv_s + (size_t)h * d->v + i, &back);
+        columns_product(a->l->w_uv + (size_t)h * c_dim * d->v, a->l->uv_s + (size_t)h * d->v, d->v, &back,
+                        a->out + (size_t)h * d->v);
     }
 }
 
