@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from thread_pools import ensure_artifact
+from thread_pools import counts, ensure_artifact
 
 # argv: artifact threads steps contexts(comma-separated); prints {"step_ms": {T: ms}, "head_ms": ms}
 _CHILD = r"""
@@ -68,16 +68,6 @@ print(json.dumps(result))
 """
 
 
-def _counts(text: str, what: str, parser: argparse.ArgumentParser) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        parser.error(f"--{what} {text!r}: give whole numbers of at least 1, comma-separated, such as 1,2")
-    return values
-
-
 def measure(artifact: Path, threads: int, steps: int, contexts: list[int]) -> dict:
     run = subprocess.run([sys.executable, "-c", _CHILD, str(artifact), str(threads), str(steps),
                           ",".join(map(str, contexts))], capture_output=True, text=True)
@@ -97,7 +87,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the thread counts (default 3)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    contexts, threads = _counts(args.contexts, "contexts", parser), _counts(args.threads, "threads", parser)
+    contexts, threads = counts(args.contexts, "contexts", parser), counts(args.threads, "threads", parser)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds: give at least 1")
     artifact = ensure_artifact(args.artifact)

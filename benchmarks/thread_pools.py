@@ -93,6 +93,17 @@ print(json.dumps({"tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "threads_held": held})
 """
 
 
+def counts(text: str, what: str, parser: argparse.ArgumentParser) -> list[int]:
+    """A comma-separated list of whole numbers of at least 1 (--threads 1,2), or the parser's one-line error."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        parser.error(f"--{what} {text!r}: give whole numbers of at least 1, comma-separated, such as 1,2")
+    return values
+
+
 def ensure_artifact(path: Path | None) -> Path:
     if path is not None:
         return path
@@ -123,12 +134,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-bound", action="store_true", help="leave out the native kernel's rows (stream_bound.py)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
-    try:
-        threads = [int(t) for t in args.threads.split(",") if t.strip()]
-    except ValueError:
-        parser.error(f"--threads {args.threads!r}: give thread counts such as 1,2")
-    if not threads or min(threads) < 1:
-        parser.error(f"--threads {args.threads!r}: give thread counts of at least 1, such as 1,2")
+    threads = counts(args.threads, "threads", parser)
     artifact = ensure_artifact(args.artifact)
     configs = [c.strip() for c in args.configs.split(";") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]

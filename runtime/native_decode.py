@@ -297,13 +297,12 @@ class NativeDecoder:
         """One token for each of a batch of sequences: tokens, positions [b], page_tables [b, n] -> hidden [b, m].
         Each weight is read once for the batch; each sequence's result is the one it gets alone."""
         c = self.config
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        positions = np.ascontiguousarray(positions, dtype=np.int32)
+        tokens, positions = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         tables = np.ascontiguousarray(page_tables, dtype=np.int64)
         batch = len(tokens)
-        if tables.ndim != 2 or len(positions) != batch or len(tables) != batch or batch == 0:
-            raise K2Error(f"a step takes one token, position and page table per sequence; got {len(tokens)} tokens, "
-                          f"{len(positions)} positions and page tables of shape {tables.shape}")
+        if tokens.ndim != 1 or positions.shape != (batch,) or tables.ndim != 2 or len(tables) != batch or not batch:
+            raise K2Error(f"a step takes one token, position and page table per sequence; got tokens of shape "
+                          f"{tokens.shape}, positions of shape {positions.shape} and page tables of shape {tables.shape}")
         bad = (tokens < 0) | (tokens >= c.vocab_size)
         if bad.any():
             raise K2Error(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{c.vocab_size - 1})")
@@ -314,6 +313,7 @@ class NativeDecoder:
         latent, scale, rope = arrays["latent"], arrays["latent_scale"], arrays["rope"]
         if tables.min() < 0 or tables.max() >= latent.shape[1]:
             raise K2Error("the page table names pages the cache does not hold")
+        tokens, positions = tokens.astype(np.int32), positions.astype(np.int32)  # in range: checked above
         self._room_for(batch)
         hidden = np.empty((batch, c.hidden_size), np.float32)
         pages = self._layer_pools(latent, scale, rope)

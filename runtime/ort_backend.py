@@ -90,8 +90,8 @@ class OrtModel:
                  decode: str = "auto"):
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
         by host_share, the number of processes running stages on it). decode: how a decode step (one token for each
-        sequence of a batch) runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx" through the
-        graphs, "auto" natively where the artifact, provider and host allow it, else through the graphs
+        sequence of a batch) runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx"
+        through the graphs, "auto" natively where the artifact, provider and host allow it, else through the graphs
         (`decode_kernels` says which, and why)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]

@@ -602,9 +602,7 @@ static void probabilities_task(void *arg, int tid, int threads) {
 }
 
 static float probability_scale(const Attention *a, int threads, int j) {  /* largest / 255, as the graph quantises */
-    float peak = 0;
-    for (int i = 0; i < threads; i++) peak = MAX(peak, a->peak[(size_t)i * a->d->heads + j]);
-    return MAX(peak / 255.0f, 1e-30f);
+    return MAX(largest_of(a->peak, threads, a->d->heads, j) / 255.0f, 1e-30f);
 }
 
 /* phase 5, positions: the probability bytes, and this thread's value sums over its positions */
