@@ -401,10 +401,11 @@ class LayerGraph:
         binding = self.session.io_binding()
         binding.bind_cpu_input("hidden", hidden)
         binding.bind_cpu_input("positions", self.positions)
+        new_entries = self.cache.new_entries(self.positions)
         for name, value in self.cache.past_inputs(0).items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output("hidden_out", self.ort.OrtValue.ortvalue_from_numpy(np.empty_like(hidden)))
-        for name, value in self.cache.new_entries(1).items():
+        for name, value in new_entries.items():
             binding.bind_ortvalue_output(name, value)
         self.session.run_with_iobinding(binding)
         return time.perf_counter() - started

@@ -6,7 +6,8 @@ running sequence: a slot holds a page table, its pages in position order. A sequ
 `admit` (which finds the pages of its prompt's longest cached prefix) and gives it back with `release`.
 Before a forward, `reserve` gives each of its slots the pages its new positions need (PoolFull when the pool
 has none left). A forward runs some slots, in the order of its batch, through a view (`cache.view(slots)`): its
-page table [rows, n] is what the layer graphs gather the past from, and the store's view of it
+page table [rows, n] (its first columns, those that hold the past) is what the layer graphs gather the past
+from, and the store's view of it
 (`view.entries()`) is what a backend binds; the grown lengths stay in the view until `view.commit(...)`
 makes them the cache's and records the tokens, so that full pages become findable by their prefix. A
 forward that fails half-way leaves the cache's lengths as they were; its stale entries stay masked.
@@ -36,22 +37,33 @@ def pages_for(tokens: int, page_size: int = PAGE_SIZE) -> int:
 class CacheView(ABC):
     """The entries of some rows, through their page table [rows, n]: what a backend binds for one forward.
 
-    One forward: `new_entries(s)` once, then per layer `past_inputs(layer)` and the graph's run into the new
-    entries, then `store(layer, positions, valid)`.
+    One forward: `new_entries(positions)` once, then per layer `past_inputs(layer)` and the graph's run into the
+    new entries, then `store(layer, positions, valid)`.
     """
 
     def __init__(self, page_table: np.ndarray):
         self.page_table = np.ascontiguousarray(page_table, dtype=np.int64)  # [rows, n] page ids
+        self.past_table = self.page_table  # [rows, n_past]: the columns a forward's graphs gather, new_entries sets
+
+    def hold_past(self, positions: np.ndarray) -> None:
+        """The page table's first columns that hold every row's past (row i holds positions[i, 0] entries), at
+        least one, become `past_table`: what the layer graphs gather and attend over, masked past each row's own
+        length. The pages after them hold only this forward's new entries, which the graphs take from their own
+        outputs: gathering them would double a first prompt chunk's attention over masked keys."""
+        held = int(positions[:, 0].max(initial=0)) if positions.size else 0
+        columns = max(1, pages_for(held))
+        self.past_table = np.ascontiguousarray(self.page_table[:, :columns])
 
     @abstractmethod
     def past_inputs(self, layer: int) -> dict[str, Any]:
-        """One layer's pools (<name>_pages [pages, PAGE_SIZE, width]) and the page table, by graph input name, as
-        the backend binds them (an OrtValue; a (shape, device address) pair)."""
+        """One layer's pools (<name>_pages [pages, PAGE_SIZE, width]) and the past's page table (`past_table`),
+        by graph input name, as the backend binds them (an OrtValue; a (shape, device address) pair)."""
 
     @abstractmethod
-    def new_entries(self, seq: int) -> dict[str, Any]:
-        """Where each layer of this forward writes its new entries, by graph output name (new_<name>
-        [rows, seq, width]), as the backend binds them; the same buffers for every layer."""
+    def new_entries(self, positions: np.ndarray) -> dict[str, Any]:
+        """For a forward at positions [rows, s] (`hold_past` first): where each layer writes its new entries, by
+        graph output name (new_<name> [rows, s, width]), as the backend binds them; the same buffers for every
+        layer."""
 
     @abstractmethod
     def store(self, layer: int, positions: np.ndarray, valid: np.ndarray) -> None:

@@ -43,7 +43,7 @@ class LatentPagesView(CacheView):
     def __init__(self, store: LatentPages, page_table: np.ndarray):
         super().__init__(page_table)
         self.pages = store
-        self.table_input = OrtValue.ortvalue_from_numpy(self.page_table)
+        self.table_input: OrtValue | None = None  # past_table, once new_entries has set it
         self.entries: dict[str, np.ndarray] = {}  # array name -> this forward's new entries [rows, s, width]
 
     def past_inputs(self, layer: int) -> dict[str, OrtValue]:
@@ -53,8 +53,10 @@ class LatentPagesView(CacheView):
                 self.pages.arrays[spec.name][layer], spec.pages_element.number)  # [pages, PAGE_SIZE, width]
         return inputs
 
-    def new_entries(self, seq: int) -> dict[str, OrtValue]:
-        specs = self.pages.format.arrays
+    def new_entries(self, positions: np.ndarray) -> dict[str, OrtValue]:
+        self.hold_past(positions)
+        self.table_input = OrtValue.ortvalue_from_numpy(self.past_table)
+        seq, specs = positions.shape[1], self.pages.format.arrays
         rows = len(self.page_table)
         self.entries = {spec.name: np.empty((rows, seq, spec.width), dtype=spec.element.storage) for spec in specs}
         return {f"new_{spec.name}": OrtValue.ortvalue_from_numpy_with_onnx_type(self.entries[spec.name],

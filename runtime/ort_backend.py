@@ -180,7 +180,7 @@ class OrtModel:
             self._timed("embed", started)
         else:
             hidden = np.ascontiguousarray(inputs, dtype=np.float32)
-        new_entries = entries.new_entries(positions.shape[1])
+        new_entries = entries.new_entries(positions)
         for layer in range(self.num_layers):
             started = time.perf_counter()
             hidden = self.run_layer(layer, hidden, positions, entries, new_entries)

@@ -77,7 +77,7 @@ def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact):
     position = len(PROMPT)
     cache.reserve([0], [position + 1])
     view = cache.view([0]).entries()
-    new = view.new_entries(1)
+    new = view.new_entries(np.array([[position]], np.int64))
     hidden = graphs.embed_session.run(None, {"token_ids": np.array([[token]], np.int64)})[0]
     for layer in range(graphs.num_layers):
         pools = {name: array[layer].copy() for name, array in view.pages.arrays.items()}  # the native layer's copy

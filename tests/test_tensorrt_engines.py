@@ -216,11 +216,14 @@ def test_device_views_bind_each_layers_pool_and_the_page_table():
     cuda, device, host = _device_and_host_pages(layers=2, pages=3)
     table = np.array([[2, 0], [1, 0]])
     view = device.view(table)
+    from k2deploy.core.cache_format import PAGE_SIZE
+
+    view.new_entries(np.array([[PAGE_SIZE, PAGE_SIZE + 1], [3, 4]]))  # pasts of one page at most: one column
     for layer in range(2):
         inputs = view.past_inputs(layer)
         shape, address = inputs["page_table"]
-        assert shape == (2, 2)
-        np.testing.assert_array_equal(_read(cuda, address, table), table)
+        assert shape == (2, 1)
+        np.testing.assert_array_equal(_read(cuda, address, table[:, :1]), table[:, :1])
         for name in ARRAYS:
             shape, address = inputs[f"{name}_pages"]
             assert shape == host.arrays[name][layer].shape
@@ -249,8 +252,8 @@ def _store(views, layer, positions, valid, entries):
     """A layer's new entries [b, s, width] written where a host view and a device view give their layers'
     outputs, then stored by each view."""
     host_view, device_view = views
-    host_view.new_entries(positions.shape[1])
-    addresses = device_view.new_entries(positions.shape[1])
+    host_view.new_entries(positions)
+    addresses = device_view.new_entries(positions)
     cuda = device_view.pages.cuda
     for name, array in entries.items():
         host_view.entries[name][:] = array

@@ -156,7 +156,7 @@ class TrtModel:
         self.cuda.to_device(self.positions.pointer, positions.astype(np.int64), self.stream)
         current, other = self.hidden
         self._run(self.embed, {"token_ids": ((b, s), self.ids.pointer)}, {"hidden": current.pointer}, profile)
-        new_entries = entries.new_entries(s)
+        new_entries = entries.new_entries(positions)
         for layer, pair in enumerate(self.layers):
             inputs = {"hidden": ((b, s, m), current.pointer), "positions": ((b, s), self.positions.pointer),
                       **entries.past_inputs(layer)}

@@ -83,19 +83,22 @@ class DevicePagesView(CacheView):
     def __init__(self, store: DevicePages, page_table: np.ndarray):
         super().__init__(page_table)
         self.pages = store
-        self.table_address = store.table.ensure(self.page_table.nbytes)
-        if self.page_table.size:
-            store.cuda.to_device(self.table_address, self.page_table, store.stream)
+        self.table_address = 0  # past_table on the device, once new_entries has put it there
 
     def past_inputs(self, layer: int) -> dict[str, tuple[tuple[int, ...], int]]:
         store = self.pages
-        inputs = {"page_table": (self.page_table.shape, self.table_address)}
+        inputs = {"page_table": (self.past_table.shape, self.table_address)}
         for spec in store.format.arrays:
             inputs[f"{spec.name}_pages"] = ((store.pages, PAGE_SIZE, spec.width), store.layer_address(spec.name, layer))
         return inputs
 
-    def new_entries(self, seq: int) -> dict[str, int]:
-        rows = len(self.page_table)
+    def new_entries(self, positions: np.ndarray) -> dict[str, int]:
+        self.hold_past(positions)
+        store = self.pages
+        self.table_address = store.table.ensure(self.past_table.nbytes)
+        if self.past_table.size:
+            store.cuda.to_device(self.table_address, self.past_table, store.stream)
+        rows, seq = positions.shape
         return {f"new_{name}": self.pages.new[name].ensure(rows * seq * width)
                 for name, width in self.pages.token_bytes.items()}
 
