@@ -46,13 +46,12 @@ class CacheView(ABC):
         self.past_table = self.page_table  # [rows, n_past]: the columns a forward's graphs gather, new_entries sets
 
     def hold_past(self, positions: np.ndarray) -> None:
-        """The page table's first columns that hold every row's past (row i holds positions[i, 0] entries), at
-        least one, become `past_table`: what the layer graphs gather and attend over, masked past each row's own
-        length. The pages after them hold only this forward's new entries, which the graphs take from their own
-        outputs: gathering them would double a first prompt chunk's attention over masked keys."""
+        """The page table's first columns that hold every row's past (row i holds positions[i, 0] entries) become
+        `past_table` [rows, n_past]: what the layer graphs gather and attend over, masked past each row's own
+        length; none for a first prompt chunk. The pages after them hold only this forward's new entries, which
+        the graphs take from their own outputs: gathering them too doubled a first chunk's attention."""
         held = int(positions[:, 0].max(initial=0)) if positions.size else 0
-        columns = max(1, pages_for(held))
-        self.past_table = np.ascontiguousarray(self.page_table[:, :columns])
+        self.past_table = np.ascontiguousarray(self.page_table[:, :pages_for(held)])
 
     @abstractmethod
     def past_inputs(self, layer: int) -> dict[str, Any]:

@@ -107,6 +107,32 @@ def test_a_choice_of_the_same_prompt_takes_its_full_pages_and_a_copy_of_its_last
     assert cache.follow(2, 0, [7] * len(prompt)) == 0  # another prompt: nothing taken
 
 
+def test_the_graphs_gather_only_the_pages_that_hold_the_past():
+    """A first prompt chunk gathers no page (its attention is over its own entries alone); a later forward the
+    pages its longest row holds, whatever pages were reserved for its new positions; the store still writes the
+    new entries through the whole table."""
+    from k2deploy.core.cache_format import CacheFormat
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.runtime.cache import Cache
+    from k2deploy.runtime.kv_cache import LatentPages
+
+    store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=1, pages=8)
+    cache = Cache(slots=2, max_len=4 * PAGE_SIZE, pages=8, store=store)
+    cache.reserve([0, 1], [3 * PAGE_SIZE, 10])
+    view = cache.view([0, 1]).entries()
+    first = np.arange(3 * PAGE_SIZE)[None].repeat(2, axis=0)  # both rows from position 0
+    new = view.new_entries(first)
+    assert view.past_inputs(0)["page_table"].shape() == [2, 0]
+    view.entries["latent"][:] = 7
+    view.store(0, first, first < [[3 * PAGE_SIZE], [10]])
+    assert (store.arrays["latent"][0, cache.tables[0]] == 7).all()  # written through every reserved page
+    assert set(new) == {f"new_{name}" for name in store.arrays}
+    later = np.array([[PAGE_SIZE + 1], [10]])  # row 0 holds 65 entries: two pages of its past
+    view.new_entries(later)
+    table = view.past_inputs(0)["page_table"].numpy()
+    np.testing.assert_array_equal(table, view.page_table[:, :2])
+
+
 @pytest.mark.parametrize("name", ["fp8", "bf16", "cpu"])
 def test_a_reused_prefix_gives_the_logits_its_prefill_does(models, name):
     model = models[name]
