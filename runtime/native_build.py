@@ -101,5 +101,7 @@ def library() -> ctypes.CDLL:
         lib.k2_decode_layers.restype = number
         lib.k2_logits.argtypes = [pointer, number, pointer, pointer, pointer]
         lib.k2_logits.restype = None
+        lib.k2_tile.argtypes = []
+        lib.k2_tile.restype = number
         _loaded = lib
     return _loaded

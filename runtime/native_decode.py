@@ -2,8 +2,8 @@
 
 A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
 and around them than in them, and does not split them over threads well (README "Threads"). The native step runs
-the same maths over the artifact's own weights (its .data files' bytes as they are, nothing re-quantised), each
-product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
+the same maths over the artifact's own weights (its .data files' codes and scales, nothing re-quantised, each
+matrix's rows laid out in tiles, `tiled`), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
 the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each
 weight row is read once and multiplied by every sequence's input, the routed experts that any sequence chose are
 read once for all that chose them, and each sequence's result is the one it gets alone. Prefill and every other
@@ -86,17 +86,23 @@ def four_rows(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))
 
 
-def _read(file: Path) -> np.ndarray:
-    """A weights file read whole into anonymous memory advised to use huge pages: streaming a product's rows then
-    crosses few page boundaries (the hardware prefetchers stop at each one). Measured on `small`'s head, 32 MiB:
-    1.47 ms against 2.0 through a mapping of the file's 4 KiB page-cache pages."""
-    size = file.stat().st_size
+def _huge(nbytes: int) -> np.ndarray:
+    """Zeroed anonymous memory advised to use huge pages, as bytes: streaming a product's rows then crosses few page
+    boundaries (the hardware prefetchers stop at each one). Measured on `small`'s head, 32 MiB: 1.47 ms against 2.0
+    through a mapping of the file's 4 KiB page-cache pages."""
     if not hasattr(mmap, "MAP_ANONYMOUS"):
-        return np.fromfile(file, dtype=np.uint8)
-    memory = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return np.zeros(nbytes, np.uint8)
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
-    view, done = memoryview(memory), 0
+    return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
+
+
+def _read(file: Path) -> np.ndarray:
+    """A weights file read whole into memory of its own (`_huge`)."""
+    size = file.stat().st_size
+    data = _huge(size)
+    view, done = memoryview(data), 0
     with open(file, "rb") as handle:
         while done < size:
             count = handle.readinto(view[done:size])
@@ -104,7 +110,24 @@ def _read(file: Path) -> np.ndarray:
                 raise K2Error(f"{file}: ended after {done} of {size} bytes while it was read; re-export the artifact")
             done += count
     view.release()
-    return np.frombuffer(memory, dtype=np.uint8)
+    return data
+
+
+def tiled(codes: np.ndarray, scales: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it: codes [..., n, k] uint8 and block scales
+    [..., n, k / block] -> codes [..., tiles, k / 4, tile, 4] (each tile's rows side by side, four inputs at a time,
+    so that one int8 dot instruction takes 16 rows and no sum crosses lanes) and scales [..., tiles, k / block,
+    tile]; n padded to whole tiles with zero rows (their outputs are never read), in memory of its own (`_huge`)."""
+    *lead, n, k = codes.shape
+    blocks = scales.shape[-1]
+    count = -(-n // tile)
+    pad = [(0, 0)] * len(lead) + [(0, count * tile - n), (0, 0)]
+    codes, scales = np.pad(codes, pad), np.pad(scales, pad)
+    laid = _huge(codes.size).reshape(*lead, count, k // 4, tile, 4)
+    laid[...] = codes.reshape(*lead, count, tile, k // 4, 4).swapaxes(-3, -2)
+    laid_scales = _huge(scales.size * 4).view(np.float32).reshape(*lead, count, blocks, tile)
+    laid_scales[...] = scales.reshape(*lead, count, tile, blocks).swapaxes(-2, -1)
+    return laid, laid_scales
 
 
 def _mapped(file: Path) -> np.ndarray:
@@ -118,9 +141,10 @@ class GraphWeights:
     """One graph's external initializers as arrays over its .data file (read into memory, or mapped), checked against the shapes
     the native step reads them with."""
 
-    def __init__(self, path: Path, whole: bool = True):
-        """whole: the graph's data file is read into memory (every step reads all of it), else mapped."""
-        self.path, self.whole = path, whole
+    def __init__(self, path: Path, whole: bool = True, tile: int = 64):
+        """whole: the graph's data file is read into memory (every step reads all of it), else mapped; tile: the
+        rows of a weight tile (decode_step.c's TILE)."""
+        self.path, self.whole, self.tile = path, whole, tile
         self.tensors = external_initializers(path)
         self.maps: dict[str, np.ndarray] = {}
         self.held: list[np.ndarray] = []  # arrays made here (widened, transposed), kept alive with the model
@@ -144,25 +168,36 @@ class GraphWeights:
         return data[spec.offset:spec.offset + length].view(dtype).reshape(shape)
 
     def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A float32 or bfloat16 tensor as float32."""
+        """A float32 or bfloat16 tensor as float32, a copy (the file's bytes are let go once read, `release`)."""
         raw = self.array(name, shape, (1, 16))
         if raw.dtype == np.uint16:
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
-        return self.keep(np.ascontiguousarray(raw, dtype=np.float32))
+        return self.keep(np.array(raw, dtype=np.float32))
 
     def keep(self, array: np.ndarray) -> np.ndarray:
         self.held.append(array)
         return array
 
     def linear(self, name: str, rows: int, cols: int) -> Lin:
-        """`name`.weight_int8 [rows, cols / block, block] and its scales [rows, cols / block]."""
+        """`name`.weight_int8 [rows, cols / block, block] and its scales [rows, cols / block], tiled."""
         spec = self.tensors.get(f"{name}.weight_int8")
-        if spec is None or len(spec.dims) != 3 or not spec.dims[2] or cols % spec.dims[2]:
+        if spec is None or len(spec.dims) != 3 or not spec.dims[2] or cols % spec.dims[2] or spec.dims[2] % 4:
             raise NativeUnavailable(f"{self.path.name}: {name} is not an int8 block linear of {cols} inputs")
         block = spec.dims[2]
-        codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,))
+        codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,)).reshape(rows, cols)
         scales = self.array(f"{name}.weight_int8_scale", (rows, cols // block), (1,))
+        codes, scales = self.tiles(codes, scales)
         return Lin(_address(codes), _address(scales), rows, cols, block)
+
+    def tiles(self, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`tiled`, kept alive with the model."""
+        codes, scales = tiled(codes, scales, self.tile)
+        return self.keep(codes), self.keep(scales)
+
+    def release(self) -> None:
+        """Lets go of the data files read whole: everything the step reads from them has been copied out."""
+        if self.whole:
+            self.maps.clear()
 
 
 class NativeDecoder:
@@ -190,15 +225,22 @@ class NativeDecoder:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory beside ONNX Runtime's copy, and {available / 2**30:.1f} GiB is available")
         self.lib = library()
-        self.graphs = [GraphWeights(manifest.graph_file(name)) for name in names[:-1]]
-        self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(self.graphs)))
-        embed, head = GraphWeights(manifest.graph_file("embed"), whole=False), GraphWeights(manifest.graph_file("head"))
+        tile = self.lib.k2_tile()
+        self.graphs = [GraphWeights(manifest.graph_file(name), tile=tile) for name in names[:-1]]
+        layers = []
+        for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
+            layers.append(self._layer(index, g))
+            g.release()
+        self.layers = (Layer * c.num_hidden_layers)(*layers)
+        embed = GraphWeights(manifest.graph_file("embed"), whole=False)
+        head = GraphWeights(manifest.graph_file("head"), tile=tile)
         self.graphs += [embed, head]
         table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
         dims = self._dims(max_len)
         self.model = Model(dims, c.num_hidden_layers, self.layers, _address(table),
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
+        head.release()
         self.max_len, self.threads_asked, self.batch = max_len, threads, 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
@@ -269,14 +311,15 @@ class NativeDecoder:
         if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
             raise NativeUnavailable(f"{g.path.name}: the routed experts are not 8-bit int8 blocks")
         block = m // scale.dims[2]
-        if f % block:
-            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f}")
-        fc1 = g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,))
-        fc2 = g.array("mlp.experts_fc2_weight", (e, m, f), (2,))
+        if f % block or block % 4:
+            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f} or "
+                                    f"is not a multiple of 4")
+        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,)),
+                             g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
+        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_weight", (e, m, f), (2,)),
+                             g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
         layer.moe, layer.experts, layer.width, layer.block = 1, e, f, block
-        layer.fc1, layer.fc2 = _address(fc1), _address(fc2)
-        layer.fc1_s = _address(g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
-        layer.fc2_s = _address(g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
+        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
         layer.router = _address(g.floats("mlp.gate.weight", (e, m)))
         layer.bias = _address(g.floats("mlp.gate.e_score_correction_bias", (e,)))
         if c.n_shared_experts:

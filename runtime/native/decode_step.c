@@ -42,7 +42,12 @@
 
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
 
-typedef struct { const uint8_t *w; const float *s; int n, k, block; } K2Lin; /* w [n, k], s [n, k / block] */
+#define TILE 64  /* weight rows laid out together: one int8 dot instruction per 16 of them, no horizontal sum */
+/* n rows of k inputs in tiles of TILE rows (the last padded with zero rows): w [tiles(n), k / 4, TILE, 4], each
+   tile's four consecutive inputs of its rows side by side; s [tiles(n), k / block, TILE] (runtime/native_decode.py
+   tiles) */
+typedef struct { const uint8_t *w; const float *s; int n, k, block; } K2Lin;
+static size_t tiles(int n) { return (size_t)(n + TILE - 1) / TILE; }
 
 typedef struct {
     int hidden, heads, nope, rope, v, latent, q_rank, vocab, top_k, n_group, topk_group, normalise, max_len;
@@ -57,8 +62,8 @@ typedef struct {
     int moe, experts, width;      /* dense: width = intermediate; MoE: width = expert width */
     K2Lin gate, up, down;         /* the dense MLP, or the shared expert (n = 0: none) */
     const float *router, *bias;   /* [e, m], [e] */
-    const uint8_t *fc1, *fc2;     /* [e, 2 width, m] gate and up rows interleaved, [e, m, width] */
-    const float *fc1_s, *fc2_s;   /* [e, 2 width, m / block], [e, m, width / block] */
+    const uint8_t *fc1, *fc2;     /* per expert a K2Lin's tiles: 2 width rows (gate and up interleaved) of m, m of width */
+    const float *fc1_s, *fc2_s;   /* and their scales */
     int block;                    /* the experts' block */
 } K2Layer;
 
@@ -220,33 +225,41 @@ static void quantize(const float *x, Quant *a) {
     }
 }
 
-/* sum over blocks of (weight codes - 128) . activation codes, times both scales; w [k] one row, ws its scales */
-static float row_dot(const uint8_t *w, const float *ws, const Quant *a) {
-    float corr = 0;
-    int blocks = a->k / a->block;
+/* y [TILE]: one tile's rows times one input, w [k / 4, TILE, 4] and ws [k / block, TILE] (K2Lin): per block, the
+   integer sum of (weight codes - 128) x activation codes, exact, then times both scales, summed in block order */
+static void tile_dot(const uint8_t *w, const float *ws, const Quant *a, float *y) {
+    int blocks = a->k / a->block, quads = a->block / 4;
 #ifdef K2_VNNI
-    if (a->block % 64 == 0) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int j = 0; j < blocks; j++) {
-            __m512i s = _mm512_setzero_si512();
-            for (int i = j * a->block; i < (j + 1) * a->block; i += 64)
-                s = _mm512_dpbusd_epi32(s, _mm512_loadu_si512(w + i), _mm512_loadu_si512(a->q + i));
-            float scale = ws[j] * a->s[j];
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(scale), acc);
-            corr += scale * (float)a->sum[j];
+    __m512 acc[TILE / 16];
+    for (int v = 0; v < TILE / 16; v++) acc[v] = _mm512_setzero_ps();
+    for (int j = 0; j < blocks; j++) {
+        __m512i sum[TILE / 16];
+        for (int v = 0; v < TILE / 16; v++) sum[v] = _mm512_setzero_si512();
+        for (int g = j * quads; g < (j + 1) * quads; g++) {
+            int32_t four;
+            memcpy(&four, a->q + 4 * g, 4);
+            __m512i x = _mm512_set1_epi32(four);
+            const uint8_t *rows = w + (size_t)g * TILE * 4;
+            for (int v = 0; v < TILE / 16; v++) sum[v] = _mm512_dpbusd_epi32(sum[v], _mm512_loadu_si512(rows + 64 * v), x);
         }
-        return _mm512_reduce_add_ps(acc) - 128.0f * corr;
+        __m512i corr = _mm512_set1_epi32(128 * a->sum[j]);
+        __m512 scale = _mm512_set1_ps(a->s[j]);
+        for (int v = 0; v < TILE / 16; v++)
+            acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[v], corr)),
+                                     _mm512_mul_ps(_mm512_loadu_ps(ws + (size_t)j * TILE + 16 * v), scale), acc[v]);
+    }
+    for (int v = 0; v < TILE / 16; v++) _mm512_storeu_ps(y + 16 * v, acc[v]);
+#else
+    for (int r = 0; r < TILE; r++) y[r] = 0;
+    for (int j = 0; j < blocks; j++) {
+        for (int r = 0; r < TILE; r++) {
+            int32_t sum = 0;
+            for (int g = j * quads; g < (j + 1) * quads; g++)
+                for (int i = 0; i < 4; i++) sum += (int32_t)w[((size_t)g * TILE + r) * 4 + i] * a->q[4 * g + i];
+            y[r] = fmaf((float)(sum - 128 * a->sum[j]), ws[(size_t)j * TILE + r] * a->s[j], y[r]);
+        }
     }
 #endif
-    float total = 0;
-    for (int j = 0; j < blocks; j++) {
-        int32_t s = 0;
-        for (int i = j * a->block; i < (j + 1) * a->block; i++) s += (int32_t)w[i] * a->q[i];
-        float scale = ws[j] * a->s[j];
-        total += scale * (float)s;
-        corr += scale * (float)a->sum[j];
-    }
-    return total - 128.0f * corr;
 }
 
 /* y [n] = x times w, a [k, n] matrix with one block of k per output column, stored four rows interleaved: [k / 4, n,
@@ -295,20 +308,29 @@ typedef struct {            /* products whose rows are taken as one run split ov
 static void products_task(void *arg, int tid, int threads) {
     const Products *p = arg;
     int total = 0;
-    for (int i = 0; i < p->parts; i++) total += p->lin[i].n;
+    for (int i = 0; i < p->parts; i++) total += (int)tiles(p->lin[i].n);
     int start, stop;
     share(total, tid, threads, &start, &stop);
+    float y[TILE];
     int base = 0;
-    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of rows streams in order */
+    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of tiles streams in order */
         const K2Lin *l = &p->lin[i];
-        int lo = start > base ? start - base : 0, hi = stop - base < l->n ? stop - base : l->n;
-        int blocks = l->k / l->block;
-        for (int r = lo; r < hi; r++) {
-            const uint8_t *w = l->w + (size_t)r * l->k;
-            const float *ws = l->s + (size_t)r * blocks;
-            for (int j = 0; j < p->count[i]; j++) p->out[i][(size_t)j * l->n + r] = row_dot(w, ws, &p->in[i][j]);
+        int count = (int)tiles(l->n), lo = start > base ? start - base : 0, hi = stop - base < count ? stop - base : count;
+        for (int t = lo; t < hi; t++) {
+            const uint8_t *w = l->w + (size_t)t * TILE * l->k;
+            const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
+            int rows = MIN(TILE, l->n - t * TILE);
+            for (int j = 0; j < p->count[i]; j++) {
+                float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE;
+                if (rows == TILE) {
+                    tile_dot(w, ws, &p->in[i][j], out);
+                } else {
+                    tile_dot(w, ws, &p->in[i][j], y);
+                    memcpy(out, y, rows * sizeof(float));
+                }
+            }
         }
-        base += l->n;
+        base += count;
     }
 }
 
@@ -765,7 +787,7 @@ typedef struct {
 
 static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const int *chosen, Bump *b) {
     int k = d->top_k, m = d->hidden;
-    size_t rows = (size_t)2 * l->width;
+    size_t rows = (size_t)2 * l->width, up = tiles(2 * l->width) * TILE, down = tiles(m) * TILE;
     Experts x = {0};
     int *part_of = take(b, (size_t)l->experts * 4);
     for (int e = 0; e < l->experts; e++) part_of[e] = -1;
@@ -778,8 +800,8 @@ static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const
         size_t e = (size_t)chosen[i];
         if (part_of[e] < 0) {
             part_of[e] = x.parts;
-            x.up[x.parts] = (K2Lin){l->fc1 + e * rows * m, l->fc1_s + e * rows * (m / l->block), (int)rows, m, l->block};
-            x.down[x.parts] = (K2Lin){l->fc2 + e * m * l->width, l->fc2_s + e * m * (l->width / l->block), m, l->width,
+            x.up[x.parts] = (K2Lin){l->fc1 + e * up * m, l->fc1_s + e * up * (m / l->block), (int)rows, m, l->block};
+            x.down[x.parts] = (K2Lin){l->fc2 + e * down * l->width, l->fc2_s + e * down * (l->width / l->block), m, l->width,
                                       l->block};
             x.count[x.parts++] = 0;
         }
@@ -992,6 +1014,9 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
     }
     return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
 }
+
+/* the rows of a weight tile (K2Lin), for runtime/native_decode.py to lay the weights out with */
+int k2_tile(void) { return TILE; }
 
 /* hidden [batch, m] -> logits [batch, vocab]: the final norm and the head, its rows read once for the batch */
 void k2_logits(const K2Model *m, int batch, const float *hidden, float *logits, float *scratch) {
