@@ -1,8 +1,13 @@
-"""The native decode step alone (runtime/native/decode_step.c), by context length and thread count: how a step's
-time and its speed-up over threads change as the attention's share grows.
+"""The native decode step alone (runtime/native/decode_step.c), by context length, thread count and instruction-set
+level: how a step's time and its speed-up over threads change as the attention's share grows, and what each level's
+products give.
 
     . .venv/bin/activate && python benchmarks/native_step.py [ART] [--contexts 576,2048,8000] [--threads 1,2]
-        [--steps 200] [--rounds 3] [--json]
+        [--isa native|all|LEVEL,...] [--steps 200] [--rounds 3] [--json]
+
+--isa all: every level this host's CPU can execute (runtime/native_build.py host_levels: plain, ssse3, avx2,
+avx-vnni, avx512bw, avx512-vnni on x86-64; plain, neon, neon-dotprod on ARM), each built with its own -march and
+loaded through K2DEPLOY_NATIVE_ISA, side by side in the same rounds; speed-ups are against the first row.
 
 (from the repository root; without ART, the `small` artifact that benchmarks/decode_latency.py writes under
 /tmp/k2deploy-bench, made first if missing). Each thread count runs in a process of its own (the native pool is
@@ -22,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from k2deploy.runtime.native_build import ISA_VARIABLE, host_levels
 from thread_pools import counts, ensure_artifact
 
 # argv: artifact threads steps contexts(comma-separated); prints {"step_ms": {T: ms}, "head_ms": ms}
@@ -41,6 +48,7 @@ artifact, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 contexts = [int(t) for t in sys.argv[4].split(",")]
 model = OrtModel(load_manifest(artifact), threads=threads, decode="native")
 native, vocab = model.native, model.config.vocab_size
+result = {"isa": native.isa, "step_ms": {}}
 pages = max(contexts) // PAGE_SIZE + 1
 store = LatentPages(model.kv_cache, model.num_layers, pages)
 rng = np.random.default_rng(0)
@@ -49,7 +57,6 @@ store.arrays["latent_scale"][...] = rng.random(store.arrays["latent_scale"].shap
 store.arrays["rope"][...] = rng.random(store.arrays["rope"].shape).astype(np.float16)
 table = np.arange(pages, dtype=np.int64)
 tokens = rng.integers(0, vocab, steps + 10)
-result = {"step_ms": {}}
 for context in contexts:
     times = []
     for i, token in enumerate(tokens):
@@ -68,12 +75,13 @@ print(json.dumps(result))
 """
 
 
-def measure(artifact: Path, threads: int, steps: int, contexts: list[int]) -> dict:
+def measure(artifact: Path, isa: str, threads: int, steps: int, contexts: list[int]) -> dict:
     run = subprocess.run([sys.executable, "-c", _CHILD, str(artifact), str(threads), str(steps),
-                          ",".join(map(str, contexts))], capture_output=True, text=True)
+                          ",".join(map(str, contexts))], capture_output=True, text=True,
+                         env={**os.environ, ISA_VARIABLE: isa})
     if run.returncode != 0:
         tail = (run.stderr.strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"native_step.py: the step at {threads} thread(s) failed: {tail}")
+        raise SystemExit(f"native_step.py: the step at {threads} thread(s), level {isa}, failed: {tail}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -83,6 +91,9 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="576,2048,8000", help="cached positions, comma-separated "
                                                                     "(default 576,2048,8000)")
     parser.add_argument("--threads", default="1,2", help="thread counts, comma-separated (default 1,2)")
+    parser.add_argument("--isa", default="native",
+                        help="instruction-set levels, comma-separated, or all: every level this CPU runs "
+                             "(default native: -march=native)")
     parser.add_argument("--steps", type=int, default=200, help="timed steps per context (default 200)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the thread counts (default 3)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -90,16 +101,22 @@ def main(argv=None) -> int:
     contexts, threads = counts(args.contexts, "contexts", parser), counts(args.threads, "threads", parser)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds: give at least 1")
+    levels = host_levels() if args.isa == "all" else [v.strip() for v in args.isa.split(",") if v.strip()]
+    unknown = [v for v in levels if v != "native" and v not in host_levels()]
+    if unknown or not levels:
+        parser.error(f"--isa {args.isa!r}: this CPU runs native, all or {', '.join(host_levels())}")
     artifact = ensure_artifact(args.artifact)
-    runs = {t: [] for t in threads}
+    configs = [(isa, t) for isa in levels for t in threads]
+    runs = {config: [] for config in configs}
     for round_ in range(args.rounds):
-        for t in threads:
-            runs[t].append(measure(artifact, t, args.steps, contexts))
+        for isa, t in configs:
+            runs[isa, t].append(measure(artifact, isa, t, args.steps, contexts))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     rows = []
-    for t in threads:
-        step = {c: statistics.median(r["step_ms"][str(c)] for r in runs[t]) for c in contexts}
-        rows.append({"threads": t, "step_ms": step, "head_ms": statistics.median(r["head_ms"] for r in runs[t])})
+    for (isa, t), got in runs.items():
+        step = {c: statistics.median(r["step_ms"][str(c)] for r in got) for c in contexts}
+        rows.append({"isa": got[0]["isa"], "level": isa, "threads": t, "step_ms": step,
+                     "head_ms": statistics.median(r["head_ms"] for r in got)})
     base = rows[0]
     for row in rows:
         row["step_speedup"] = {c: base["step_ms"][c] / row["step_ms"][c] for c in contexts}
@@ -108,11 +125,12 @@ def main(argv=None) -> int:
         print(json.dumps({"artifact": str(artifact), "steps": args.steps, "rounds": args.rounds, "rows": rows}, indent=2))
         return 0
     print(f"{artifact.name}: native step of one sequence, median of {args.rounds} rounds of {args.steps} steps; "
-          f"speed-ups against {threads[0]} thread(s)")
-    print(f"{'threads':>7} " + " ".join(f"{f'T={c} ms':>11} {'x':>6}" for c in contexts) + f" {'head ms':>8} {'x':>6}")
+          f"speed-ups against the first row")
+    print(f"{'isa':>12} {'threads':>7} " + " ".join(f"{f'T={c} ms':>11} {'x':>6}" for c in contexts)
+          + f" {'head ms':>8} {'x':>6}")
     for row in rows:
         cells = " ".join(f"{row['step_ms'][c]:>11.3f} {row['step_speedup'][c]:>5.2f}x" for c in contexts)
-        print(f"{row['threads']:>7} {cells} {row['head_ms']:>8.3f} {row['head_speedup']:>5.2f}x")
+        print(f"{row['isa']:>12} {row['threads']:>7} {cells} {row['head_ms']:>8.3f} {row['head_speedup']:>5.2f}x")
     return 0
 
 

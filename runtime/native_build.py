@@ -1,11 +1,15 @@
-"""Builds the native decode step (runtime/native/decode_step.c) for this host, once, and loads it.
+"""Builds the native decode step (runtime/native/decode_step.c) for this host, once per instruction-set level, and
+loads it.
 
-The library is compiled with the system's C compiler (`cc -O3 -march=native`: the step's products use the
-host's int8 dot-product instructions where it has them) into a cache folder, named by a hash of the source, the
-compiler's version and the host's CPU flags, so that a new source, compiler or CPU gets its own build. The build
-writes to a temporary name and renames it into place: an interrupted build leaves nothing a later load would
-take. No compiler, or a failed build, is a `NativeUnavailable` with the reason; the runtime then decodes through
-the ONNX graphs.
+The step's products are written once over runtime/native/isa.h, which each instruction set lowers to its own
+int8 dot-product instructions; the level is the compiler's -march. `level()` picks it: $K2DEPLOY_NATIVE_ISA (one
+of `levels()`), else `native` (`-march=native`: everything this host has). Each level the host can execute
+(`host_levels()`) can be built and loaded (tests and `benchmarks/native_step.py --isa all` check each). The
+library is compiled with the system's C compiler into a cache folder, named by a hash of the sources, the
+compiler's version, the flags and the host's CPU flags, so that a new source, compiler or CPU gets its own build.
+The build writes to a temporary name and renames it into place: an interrupted build leaves nothing a later load
+would take. No compiler, or a failed build, is a `NativeUnavailable` with the reason; the runtime then decodes
+through the ONNX graphs.
 """
 
 from __future__ import annotations
@@ -19,8 +23,29 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
-_loaded: ctypes.CDLL | None = None
+HEADERS = [SOURCE.with_name("isa.h")]
+FLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+ISA_VARIABLE = "K2DEPLOY_NATIVE_ISA"
+
+# level -> (its -march flags, the /proc/cpuinfo flags a CPU needs to run it); "native" is whatever this host has
+X86_LEVELS = {
+    "plain": (["-march=x86-64"], []),
+    "ssse3": (["-march=x86-64-v2"], ["ssse3", "sse4_1", "sse4_2", "popcnt"]),
+    "avx2": (["-march=x86-64-v3"], ["ssse3", "sse4_1", "sse4_2", "popcnt", "avx", "avx2", "fma", "bmi1", "bmi2",
+                                    "f16c", "movbe"]),
+    "avx-vnni": (["-march=x86-64-v3", "-mavxvnni"], ["avx2", "fma", "bmi2", "f16c", "movbe", "avx_vnni"]),
+    "avx512bw": (["-march=x86-64-v4"], ["avx2", "fma", "bmi2", "f16c", "movbe", "avx512f", "avx512bw", "avx512cd",
+                                        "avx512dq", "avx512vl"]),
+    "avx512-vnni": (["-march=x86-64-v4", "-mavx512vnni"], ["avx2", "fma", "bmi2", "f16c", "movbe", "avx512f",
+                                                            "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                                                            "avx512_vnni"]),
+}
+ARM_LEVELS = {
+    "plain": (["-march=armv8-a+nosimd"], []),
+    "neon": (["-march=armv8-a"], ["asimd"]),
+    "neon-dotprod": (["-march=armv8.2-a+dotprod"], ["asimd", "asimddp"]),
+}
+_loaded: dict[str, ctypes.CDLL] = {}
 
 
 class NativeUnavailable(Exception):
@@ -36,13 +61,44 @@ def cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """The first CPU's flags line of /proc/cpuinfo ("flags" on x86, "Features" on ARM), else the machine's name."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return os.uname().machine
+
+
+def levels() -> dict[str, tuple[list[str], list[str]]]:
+    """This machine family's instruction-set levels, narrowest first: name -> (-march flags, CPU flags needed)."""
+    machine = os.uname().machine
+    if machine in ("x86_64", "amd64", "i686"):
+        return X86_LEVELS
+    if machine in ("aarch64", "arm64"):
+        return ARM_LEVELS
+    return {"plain": ([], [])}
+
+
+def host_levels() -> list[str]:
+    """The levels this host's CPU can execute, narrowest first."""
+    have = set(_cpu_flags().partition(":")[2].split())
+    return [name for name, (_, needs) in levels().items() if set(needs) <= have]
+
+
+def level() -> str:
+    """The level to load: $K2DEPLOY_NATIVE_ISA, else "native"; NativeUnavailable for one this host cannot run."""
+    chosen = os.environ.get(ISA_VARIABLE, "").strip() or "native"
+    if chosen == "native":
+        return chosen
+    if chosen not in levels():
+        raise NativeUnavailable(f"{ISA_VARIABLE}={chosen!r} is not an instruction-set level; choose native or one of "
+                                f"{', '.join(levels())}")
+    if chosen not in host_levels():
+        raise NativeUnavailable(f"{ISA_VARIABLE}={chosen}: this CPU cannot run it (it runs "
+                                f"{', '.join(host_levels())})")
+    return chosen
 
 
 def _compiler() -> str:
@@ -52,22 +108,25 @@ def _compiler() -> str:
     return compiler
 
 
-def build() -> Path:
-    """The library for this host, compiled first if its cache holds none -> its path."""
+def build(isa: str = "native") -> Path:
+    """The library for this host at level `isa` ("native" or one of `levels()`), compiled first if its cache holds
+    none -> its path."""
     compiler = _compiler()
+    march = ["-march=native"] if isa == "native" else levels()[isa][0]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{compiler} does not run ({exc})") from None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags()]).encode()).hexdigest()
-    target = cache_dir() / f"decode_step-{key[:16]}.so"
+    sources = [SOURCE.read_text(), *(header.read_text() for header in HEADERS)]
+    key = hashlib.sha256("\0".join([*sources, version, " ".join(FLAGS + march), _cpu_flags()]).encode()).hexdigest()
+    target = cache_dir() / f"decode_step-{isa}-{key[:16]}.so"
     if target.exists():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
             built = Path(scratch) / target.name
-            done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
+            done = subprocess.run([compiler, *FLAGS, *march, str(SOURCE), "-o", str(built), "-lm"], capture_output=True,
                                   text=True, timeout=300)
             if done.returncode != 0:
                 reason = (done.stderr.strip().splitlines() or ["no message"])[0][:300]
@@ -81,12 +140,12 @@ def build() -> Path:
     return target
 
 
-def library() -> ctypes.CDLL:
-    """The loaded library (built first where needed); one per process."""
-    global _loaded
-    if _loaded is None:
+def library(isa: str | None = None) -> ctypes.CDLL:
+    """The loaded library at level `isa` (default: `level()`), built first where needed; one per level a process."""
+    isa = isa or level()
+    if isa not in _loaded:
         try:
-            lib = ctypes.CDLL(str(build()))
+            lib = ctypes.CDLL(str(build(isa)))
         except OSError as exc:
             raise NativeUnavailable(f"the native build does not load ({exc})") from None
         pointer, number = ctypes.c_void_p, ctypes.c_int
@@ -103,5 +162,7 @@ def library() -> ctypes.CDLL:
         lib.k2_logits.restype = None
         lib.k2_tile.argtypes = []
         lib.k2_tile.restype = number
-        _loaded = lib
-    return _loaded
+        lib.k2_isa.argtypes = []
+        lib.k2_isa.restype = ctypes.c_char_p
+        _loaded[isa] = lib
+    return _loaded[isa]

@@ -225,6 +225,7 @@ class NativeDecoder:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory beside ONNX Runtime's copy, and {available / 2**30:.1f} GiB is available")
         self.lib = library()
+        self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
         tile = self.lib.k2_tile()
         self.graphs = [GraphWeights(manifest.graph_file(name), tile=tile) for name in names[:-1]]
         layers = []

@@ -137,7 +137,7 @@ class OrtModel:
                 raise NativeUnavailable("it runs the whole model on the cpu provider")
             native = NativeDecoder(self.manifest, self.threads, self.config.max_position_embeddings)
             yield_to_native_decode()
-            return native, "native"
+            return native, f"native ({native.isa})"
         except NativeUnavailable as exc:
             if decode == "native":
                 raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None

@@ -5,12 +5,15 @@
  * says which graph op each part follows): int8 block weights stored as bytes code + 128 with one float32 scale per
  * block of the input dim (MatMulNBits, QMoE), activations quantised per block to int8 (absmax / 127) before each
  * product, the int8 latent cache read in place (one scale per token), W_UK and W_UV int8 per output column.
- * Products use AVX-512 VNNI where the compiler targets it (vpdpbusd: weight bytes x signed activation bytes,
- * the + 128 taken off with the block's activation sum), else a plain loop.
+ * Every product is written once over runtime/native/isa.h's vectors and its dot4 (four byte products a 32-bit lane),
+ * which each instruction set lowers to its own int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AVX2, SSSE3,
+ * NEON, a plain loop): the products are exact integer sums on every one of them.
  *
  * Every product's rows, and the attention's heads or positions (phase by phase), are split over a pool of threads
- * that spin between the phases of a step, yield while they wait, sleep after a while idle, and keep each to its own
- * core (k2_pool_start). A weight row is read once for the whole batch (each routed expert once for the sequences
+ * that spin between the phases of a step while each has a core to itself, yield while they wait, sleep after a while
+ * idle, and keep each to its own core (k2_pool_start). With more threads than the process's CPUs, or once a phase
+ * found a worker without a core (another process took it), nobody spins: waits sleep until woken, and a step's
+ * time degrades with its share of the cores, not with the scheduler's time slice. A weight row is read once for the whole batch (each routed expert once for the sequences
  * that chose it) and multiplied by each sequence's input; a sequence's result does not depend on the batch or on
  * the number of threads. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
  * e experts.
@@ -25,10 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define K2_VNNI 1
-#endif
+#include "isa.h"
 
 #define PAGE 64
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -37,8 +37,10 @@
 #define MAX_TOP_K 64      /* the routing's limits (runtime/native_decode.py checks a model against them) */
 #define MAX_GROUPS 64
 #define MAX_EXPERTS 4096
-#define HEAD_GROUP 16     /* heads that share one pass of latent_dots() over a cached row */
+#define HEAD_GROUP (VBYTES == 64 ? 16 : 8)  /* heads that share one pass of latent_dots() over a cached row */
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
+#define STARVED_SECONDS 1e-3 /* the caller waiting this much longer than its own share took: a worker had no core */
+#define QUIET_SECONDS 1.0   /* and then nobody spins for this long */
 
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
 
@@ -86,12 +88,14 @@ typedef void (*Task)(void *arg, int tid, int threads);
 
 static struct {
     int threads;
+    int spin;               /* 0: more threads than the process's CPUs, waits never spin */
     int cpus[MAX_THREADS];  /* thread t's CPU; -1: not pinned */
     pthread_t ids[MAX_THREADS];
-    atomic_int generation, done, sleeping, stop;
+    atomic_int generation, done, sleeping, stop, caller_sleeps;
+    _Atomic double quiet_until;  /* before this time waits do not spin: a worker lately went without a core */
     Task task; void *arg;
-    pthread_mutex_t lock; pthread_cond_t wake;
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+    pthread_mutex_t lock; pthread_cond_t wake, finished;
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .finished = PTHREAD_COND_INITIALIZER};
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
@@ -102,6 +106,8 @@ static void pin(int cpu) {  /* the calling thread onto one CPU */
     sched_setaffinity(0, sizeof set, &set);
 }
 
+static int may_spin(double at) { return pool.spin && at >= atomic_load(&pool.quiet_until); }
+
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg, seen = atomic_load(&pool.generation);
     if (pool.cpus[tid] >= 0) pin(pool.cpus[tid]);
@@ -110,24 +116,28 @@ static void *worker(void *arg) {
     pthread_setname_np(pthread_self(), name);  /* as top -H and /proc/PID/task/TID/comm show it */
     for (;;) {
         double idle_since = now();
-        int spins = 0;
-        while (atomic_load(&pool.generation) == seen) {
-            if (++spins % 1024 == 0) sched_yield();  /* a thread that shares this core gets it */
-            if (spins % 1024 == 0 && now() - idle_since > SPIN_SECONDS) {
-                pthread_mutex_lock(&pool.lock);
-                atomic_fetch_add(&pool.sleeping, 1);
-                while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
-                atomic_fetch_sub(&pool.sleeping, 1);
-                pthread_mutex_unlock(&pool.lock);
+        for (int spins = 1; atomic_load(&pool.generation) == seen; spins++) {
+            if (spins % 1024 == 0) sched_yield();  /* a thread that shares this core gets it */
+            if (spins % 256 == 0) {
+                double at = now();
+                if (!may_spin(at) || at - idle_since > SPIN_SECONDS) {
+                    pthread_mutex_lock(&pool.lock);
+                    atomic_fetch_add(&pool.sleeping, 1);
+                    while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                    atomic_fetch_sub(&pool.sleeping, 1);
+                    pthread_mutex_unlock(&pool.lock);
+                }
             }
-#ifdef K2_VNNI
-            _mm_pause();
-#endif
+            cpu_relax();
         }
         seen = atomic_load(&pool.generation);
         if (atomic_load(&pool.stop)) return NULL;
         pool.task(pool.arg, tid, pool.threads);
-        atomic_fetch_add(&pool.done, 1);
+        if (atomic_fetch_add(&pool.done, 1) == pool.threads - 2 && atomic_load(&pool.caller_sleeps)) {
+            pthread_mutex_lock(&pool.lock);  /* the caller sleeps (or is about to, under the lock): wake it */
+            pthread_cond_signal(&pool.finished);
+            pthread_mutex_unlock(&pool.lock);
+        }
     }
 }
 
@@ -139,6 +149,8 @@ int k2_pool_start(int threads, const int *cpus) {
     if (pool.threads) return pool.threads;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
+    cpu_set_t allowed;
+    pool.spin = sched_getaffinity(0, sizeof allowed, &allowed) != 0 || threads <= CPU_COUNT(&allowed);
     for (int t = 0; t < threads; t++) pool.cpus[t] = cpus ? cpus[t] : -1;
     for (int t = 1; t < threads; t++)
         if (pthread_create(&pool.ids[t], NULL, worker, (void *)(intptr_t)t) != 0) { threads = t; break; }
@@ -161,6 +173,28 @@ static void release_cpu(Held *h) {
     if (h->held) sched_setaffinity(0, sizeof h->before, &h->before);
 }
 
+/* the caller's wait for the workers: spins while spinning is allowed, else (or once a worker has gone without a
+   core for a while) sleeps until the last one wakes it, and then keeps everyone from spinning for QUIET_SECONDS */
+static void wait_for_workers(double own_seconds) {
+    double since = now();
+    for (int spins = 1; atomic_load(&pool.done) < pool.threads - 1; spins++) {
+        if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
+        if (spins % 256 == 0) {
+            double at = now();
+            if (at - since > own_seconds + STARVED_SECONDS) atomic_store(&pool.quiet_until, at + QUIET_SECONDS);
+            if (!may_spin(at)) {
+                pthread_mutex_lock(&pool.lock);
+                atomic_store(&pool.caller_sleeps, 1);  /* before done is read again: the last worker then wakes it */
+                while (atomic_load(&pool.done) < pool.threads - 1) pthread_cond_wait(&pool.finished, &pool.lock);
+                atomic_store(&pool.caller_sleeps, 0);
+                pthread_mutex_unlock(&pool.lock);
+                return;
+            }
+        }
+        cpu_relax();
+    }
+}
+
 static void run(Task task, void *arg) {
     if (pool.threads <= 1) { task(arg, 0, 1); return; }
     pool.task = task; pool.arg = arg;
@@ -169,13 +203,9 @@ static void run(Task task, void *arg) {
     atomic_fetch_add(&pool.generation, 1);
     if (atomic_load(&pool.sleeping)) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
+    double started = now();
     task(arg, 0, pool.threads);
-    for (int spins = 1; atomic_load(&pool.done) < pool.threads - 1; spins++) {
-        if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
-#ifdef K2_VNNI
-        _mm_pause();
-#endif
-    }
+    wait_for_workers(now() - started);
 }
 
 static void share(int count, int tid, int threads, int *start, int *stop) {
@@ -187,36 +217,20 @@ static void share(int count, int tid, int threads, int *start, int *stop) {
 typedef struct { int8_t *q; float *s; int32_t *sum; int k, block; } Quant; /* x [k] as int8 blocks */
 
 static float largest_magnitude(const float *x, int n) {
-    int i = 0;
     float absmax = 0;
-#ifdef K2_VNNI
-    __m512 m = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
-    absmax = _mm512_reduce_max_ps(m);
-#endif
-    for (; i < n; i++) absmax = MAX(absmax, fabsf(x[i]));
+    for (int i = 0; i < n; i++) absmax = MAX(absmax, fabsf(x[i]));
     return absmax;
 }
 
-/* x [k] -> int8 codes round(x / scale), scale = absmax / 127 per block, and each block's code sum */
+/* x [k] -> int8 codes round(x / scale) (to nearest, ties to even), scale = absmax / 127 per block, and each block's
+   code sum */
 static void quantize(const float *x, Quant *a) {
     for (int j = 0; j < a->k / a->block; j++) {
         const float *xb = x + j * a->block;
         int8_t *qb = a->q + j * a->block;
         float scale = largest_magnitude(xb, a->block) / 127.0f, inverse = scale > 0 ? 1.0f / scale : 0;
         int32_t sum = 0;
-        int i = 0;
-#ifdef K2_VNNI
-        __m512i sums = _mm512_setzero_si512();
-        for (; i + 16 <= a->block; i += 16) {  /* rounds to nearest even, as nearbyintf does */
-            __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_set1_ps(inverse)));
-            q = _mm512_max_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
-            _mm_storeu_si128((__m128i *)(qb + i), _mm512_cvtepi32_epi8(q));
-            sums = _mm512_add_epi32(sums, q);
-        }
-        sum = _mm512_reduce_add_epi32(sums);
-#endif
-        for (; i < a->block; i++) {
+        for (int i = 0; i < a->block; i++) {
             int q = (int)nearbyintf(xb[i] * inverse);
             q = q > 127 ? 127 : q < -127 ? -127 : q;
             qb[i] = (int8_t)q; sum += q;
@@ -225,70 +239,62 @@ static void quantize(const float *x, Quant *a) {
     }
 }
 
+#define TILE_VECTORS (TILE * 4 / VBYTES)  /* vectors that hold one group of four inputs of a tile's rows */
+
 /* y [TILE]: one tile's rows times one input, w [k / 4, TILE, 4] and ws [k / block, TILE] (K2Lin): per block, the
-   integer sum of (weight codes - 128) x activation codes, exact, then times both scales, summed in block order */
+   integer sum of (weight codes - 128) x activation codes, exact, then times both scales, summed in block order;
+   each vector lane is one row, so no sum crosses lanes */
 static void tile_dot(const uint8_t *w, const float *ws, const Quant *a, float *y) {
     int blocks = a->k / a->block, quads = a->block / 4;
-#ifdef K2_VNNI
-    __m512 acc[TILE / 16];
-    for (int v = 0; v < TILE / 16; v++) acc[v] = _mm512_setzero_ps();
+    vf32 acc[TILE_VECTORS];
+    for (int v = 0; v < TILE_VECTORS; v++) acc[v] = (vf32){0};
     for (int j = 0; j < blocks; j++) {
-        __m512i sum[TILE / 16];
-        for (int v = 0; v < TILE / 16; v++) sum[v] = _mm512_setzero_si512();
+        vi32 sum[TILE_VECTORS];
+        for (int v = 0; v < TILE_VECTORS; v++) sum[v] = (vi32){0};
         for (int g = j * quads; g < (j + 1) * quads; g++) {
-            int32_t four;
-            memcpy(&four, a->q + 4 * g, 4);
-            __m512i x = _mm512_set1_epi32(four);
+            vi8 x = splat4(a->q + 4 * g);
             const uint8_t *rows = w + (size_t)g * TILE * 4;
-            for (int v = 0; v < TILE / 16; v++) sum[v] = _mm512_dpbusd_epi32(sum[v], _mm512_loadu_si512(rows + 64 * v), x);
+            for (int v = 0; v < TILE_VECTORS; v++) sum[v] = dot4(sum[v], load_u8(rows + VBYTES * v), x);
         }
-        __m512i corr = _mm512_set1_epi32(128 * a->sum[j]);
-        __m512 scale = _mm512_set1_ps(a->s[j]);
-        for (int v = 0; v < TILE / 16; v++)
-            acc[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[v], corr)),
-                                     _mm512_mul_ps(_mm512_loadu_ps(ws + (size_t)j * TILE + 16 * v), scale), acc[v]);
+        int32_t bias = DOT_BIAS * a->sum[j];
+        float scale = a->s[j];
+        for (int v = 0; v < TILE_VECTORS; v++)
+            acc[v] += __builtin_convertvector(sum[v] - bias, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
     }
-    for (int v = 0; v < TILE / 16; v++) _mm512_storeu_ps(y + 16 * v, acc[v]);
-#else
-    for (int r = 0; r < TILE; r++) y[r] = 0;
-    for (int j = 0; j < blocks; j++) {
-        for (int r = 0; r < TILE; r++) {
-            int32_t sum = 0;
-            for (int g = j * quads; g < (j + 1) * quads; g++)
-                for (int i = 0; i < 4; i++) sum += (int32_t)w[((size_t)g * TILE + r) * 4 + i] * a->q[4 * g + i];
-            y[r] = fmaf((float)(sum - 128 * a->sum[j]), ws[(size_t)j * TILE + r] * a->s[j], y[r]);
-        }
+    for (int v = 0; v < TILE_VECTORS; v++) store_f32(y + LANES * v, acc[v]);
+}
+
+#define COLUMN_VECTORS 8  /* vectors of columns columns_product() takes in one pass */
+
+/* columns j0 .. j0 + count LANES - 1 of columns_product(); count a constant where it is called, so that the
+   accumulators stay in registers */
+static inline __attribute__((always_inline)) void columns_pass(const uint8_t *w, const float *ws, int n,
+                                                                const Quant *a, float *y, int j0, const int count) {
+    vi32 acc[COLUMN_VECTORS];
+    for (int v = 0; v < count; v++) acc[v] = (vi32){0};
+    for (int g = 0; g < a->k / 4; g++) {
+        vi8 x = splat4(a->q + 4 * g);
+        const uint8_t *rows = w + ((size_t)g * n + j0) * 4;
+        for (int v = 0; v < count; v++) acc[v] = dot4(acc[v], load_u8(rows + VBYTES * v), x);
     }
-#endif
+    int32_t bias = DOT_BIAS * a->sum[0];
+    for (int v = 0; v < count; v++)
+        store_f32(y + j0 + LANES * v, __builtin_convertvector(acc[v] - bias, vf32) *
+                                      (load_f32(ws + j0 + LANES * v) * a->s[0]));
 }
 
 /* y [n] = x times w, a [k, n] matrix with one block of k per output column, stored four rows interleaved: [k / 4, n,
    4], bytes code + 128, column scales ws [n] (the absorbed W_UK and W_UV): y[j] = (sum_i (w[i, j] - 128) q[i]) *
-   ws[j] * scale. With VNNI, one vpdpbusd adds four rows' products to 16 columns, and no sum crosses lanes. */
+   ws[j] * scale. One dot4 adds four rows' products to a vector of columns, and no sum crosses lanes. */
 static void columns_product(const uint8_t *w, const float *ws, int n, const Quant *a, float *y) {
     int k = a->k;
-    int32_t corr = 128 * a->sum[0];
-#ifdef K2_VNNI
-    if (n % 128 == 0 && k % 4 == 0) {
-        for (int j0 = 0; j0 < n; j0 += 128) {
-            __m512i acc[8];
-            for (int v = 0; v < 8; v++) acc[v] = _mm512_setzero_si512();
-            for (int g = 0; g < k / 4; g++) {
-                int32_t four;
-                memcpy(&four, a->q + 4 * g, 4);
-                __m512i x = _mm512_set1_epi32(four);
-                const uint8_t *rows = w + ((size_t)g * n + j0) * 4;
-                for (int v = 0; v < 8; v++) acc[v] = _mm512_dpbusd_epi32(acc[v], _mm512_loadu_si512(rows + 64 * v), x);
-            }
-            for (int v = 0; v < 8; v++) {
-                __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[v], _mm512_set1_epi32(corr)));
-                __m512 scales = _mm512_mul_ps(_mm512_loadu_ps(ws + j0 + 16 * v), _mm512_set1_ps(a->s[0]));
-                _mm512_storeu_ps(y + j0 + 16 * v, _mm512_mul_ps(sums, scales));
-            }
-        }
+    if (n % LANES == 0 && k % 4 == 0) {
+        int j0 = 0;
+        for (; j0 + COLUMN_VECTORS * LANES <= n; j0 += COLUMN_VECTORS * LANES) columns_pass(w, ws, n, a, y, j0, COLUMN_VECTORS);
+        for (; j0 < n; j0 += LANES) columns_pass(w, ws, n, a, y, j0, 1);
         return;
     }
-#endif
+    int32_t corr = 128 * a->sum[0];
     for (int j = 0; j < n; j++) {
         int32_t sum = 0;
         for (int i = 0; i < k; i++) sum += (int32_t)w[((size_t)(i / 4) * n + j) * 4 + i % 4] * a->q[i];
@@ -382,20 +388,13 @@ static void rope(float *x, int r, const float *frequencies, int pos, float scale
 
 static float silu(float x) { return x / (1.0f + expf(-x)); }
 
-/* a . b over n floats, in 16 lanes (a plain sum would chain every add on the one before) */
+/* a . b over n floats, a vector of lanes at a time (a plain sum would chain every add on the one before) */
 static float dot_f32(const float *a, const float *b, int n) {
     int i = 0;
+    vf32 acc = {0};
+    for (; i + LANES <= n; i += LANES) acc += load_f32(a + i) * load_f32(b + i);
     float total = 0;
-#ifdef K2_VNNI
-    __m512 acc = _mm512_setzero_ps();
-    for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    total = _mm512_reduce_add_ps(acc);
-#else
-    float lanes[8] = {0};
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) lanes[j] += a[i + j] * b[i + j];
-    for (int j = 0; j < 8; j++) total += lanes[j];
-#endif
+    for (int j = 0; j < LANES; j++) total += acc[j];
     for (; i < n; i++) total += a[i] * b[i];
     return total;
 }
@@ -434,33 +433,27 @@ static void position_share(int keys, int tid, int threads, int *start, int *stop
 
 static size_t cache_row(const Attention *a, int t) { return (size_t)a->table[t / PAGE] * PAGE + t % PAGE; }
 
-#define VALUE_HEADS 4  /* heads that share one pass of values() over a page: 16 accumulators with VNNI */
+#define VALUE_HEADS (VBYTES == 64 ? 4 : 2)  /* heads that share one pass of values() over a page: 16 (or 8) sums */
 
-/* where the value sums keep latent column c: with VNNI (c_dim a multiple of 64), within each run of 64 columns,
-   column 16 L + 4 k + m at 16 k + 4 L + m, the order values()' interleaving leaves them in (its own inverse);
-   otherwise at c */
-static int value_slot(int c_dim, int c) {
-#ifdef K2_VNNI
-    if (c_dim % 64 == 0) return (c & ~63) | (((c >> 2) & 3) << 4) | (((c >> 4) & 3) << 2) | (c & 3);
-#endif
-    (void)c_dim;
-    return c;
-}
+/* where the value sums keep latent column c: in interleave4's order where values() takes the columns a vector at a
+   time (c_dim a multiple of VBYTES), else at c */
+static int value_slot(int c_dim, int c) { return c_dim % VBYTES == 0 ? interleaved_slot(c) : c; }
 
 /* sums [n, c] int32 (n <= VALUE_HEADS, columns at value_slot) += the probability bytes p (row j at p + j * stride) of
-   positions t0 .. t1 - 1 times the latent codes - 128 of each position, exact (as MatMulInteger sums them). With
-   VNNI, four positions' rows of 64 codes are interleaved byte by byte (within each 16-byte lane) so that one
-   vpdpbusd adds four positions' products to 16 columns; a page's rows stay in cache across its column runs. */
+   positions t0 .. t1 - 1 times the latent codes - 128 of each position, exact (as MatMulInteger sums them). Four
+   positions' rows of a vector of codes are interleaved (interleave4) so that one dot4 adds four positions'
+   products to a vector of columns; a page's rows stay in cache across its column runs. dot4 takes the probability
+   bytes as p - 128 + DOT_BIAS: where DOT_BIAS is not 128, (128 - DOT_BIAS) x each column's code sum is added back
+   (one more dot4 a group, shared by the heads). */
 static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, size_t stride, int32_t *sums) {
     int c_dim = a->d->latent;
     for (int t = t0, rows; t < t1; t += rows) {
         rows = MIN(t1, (t / PAGE + 1) * PAGE) - t;  /* the rest of t's page */
         const uint8_t *page = a->pages->latent + cache_row(a, t) * c_dim;
-#ifdef K2_VNNI
-        if (c_dim % 64 == 0) {
+        if (c_dim % VBYTES == 0) {
             int groups = (rows + 3) / 4;
             uint32_t words[VALUE_HEADS][PAGE / 4] = {{0}};  /* each head's probability bytes, four positions a word;
-                                                               heads past n stay 0 (the loops below take all four) */
+                                                               heads past n stay 0 (the loops below take all) */
             for (int j = 0; j < n; j++)
                 for (int g = 0; g < groups; g++) {
                     const uint8_t *four = p + (size_t)j * stride + t + 4 * g;
@@ -469,35 +462,33 @@ static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, 
                     else for (int k = 0; 4 * g + k < rows; k++) w |= (uint32_t)four[k] << (8 * k);
                     words[j][g] = w;
                 }
-            const __m512i flip = _mm512_set1_epi8((char)0x80);
-            for (int c = 0; c < c_dim; c += 64) {
-                __m512i acc[VALUE_HEADS][4];
-                for (int j = 0; j < VALUE_HEADS; j++)
-                    for (int k = 0; k < 4; k++) acc[j][k] = _mm512_setzero_si512();
+            const vu8 ones = (vu8){0} + (uint8_t)(129 - DOT_BIAS);  /* dot4 takes them as 1 */
+            for (int c = 0; c < c_dim; c += VBYTES) {
+                vi32 acc[VALUE_HEADS][4], codes[4];
+                for (int k = 0; k < 4; k++) {
+                    codes[k] = (vi32){0};
+                    for (int j = 0; j < VALUE_HEADS; j++) acc[j][k] = (vi32){0};
+                }
                 for (int g = 0; g < groups; g++) {
-                    __m512i r[4];
-                    for (int k = 0; k < 4; k++) {  /* a missing position repeats the first: its probability is 0 */
-                        int row = 4 * g + k < rows ? 4 * g + k : 4 * g;
-                        r[k] = _mm512_xor_si512(_mm512_loadu_si512(page + (size_t)row * c_dim + c), flip);
-                    }
-                    __m512i lo01 = _mm512_unpacklo_epi8(r[0], r[1]), hi01 = _mm512_unpackhi_epi8(r[0], r[1]);
-                    __m512i lo23 = _mm512_unpacklo_epi8(r[2], r[3]), hi23 = _mm512_unpackhi_epi8(r[2], r[3]);
-                    __m512i quad[4] = {_mm512_unpacklo_epi16(lo01, lo23), _mm512_unpackhi_epi16(lo01, lo23),
-                                       _mm512_unpacklo_epi16(hi01, hi23), _mm512_unpackhi_epi16(hi01, hi23)};
+                    vi8 r[4], quad[4];
+                    for (int k = 0; k < 4; k++)  /* a missing position: code 0 (its probability is 0 too) */
+                        r[k] = 4 * g + k < rows ? (vi8)(load_u8(page + (size_t)(4 * g + k) * c_dim + c) ^ 0x80) : (vi8){0};
+                    interleave4(r, quad);
                     for (int j = 0; j < VALUE_HEADS; j++) {
-                        __m512i w = _mm512_set1_epi32((int)words[j][g]);
-                        for (int k = 0; k < 4; k++) acc[j][k] = _mm512_dpbusd_epi32(acc[j][k], w, quad[k]);
+                        vu8 w = (vu8)splat_i32((int32_t)words[j][g]);
+                        for (int k = 0; k < 4; k++) acc[j][k] = dot4(acc[j][k], w, quad[k]);
                     }
+                    if (DOT_BIAS != 128)
+                        for (int k = 0; k < 4; k++) codes[k] = dot4(codes[k], ones, quad[k]);
                 }
                 for (int j = 0; j < n; j++)
                     for (int k = 0; k < 4; k++) {
-                        int32_t *out = sums + (size_t)j * c_dim + c + 16 * k;
-                        _mm512_storeu_si512(out, _mm512_add_epi32(_mm512_loadu_si512(out), acc[j][k]));
+                        int32_t *out = sums + (size_t)j * c_dim + c + LANES * k;
+                        store_i32(out, load_i32(out) + acc[j][k] + (128 - DOT_BIAS) * codes[k]);
                     }
             }
             continue;
         }
-#endif
         for (int row = 0; row < rows; row++) {
             const uint8_t *codes = page + (size_t)row * c_dim;
             for (int j = 0; j < n; j++) {
@@ -509,26 +500,24 @@ static void values(const Attention *a, int n, int t0, int t1, const uint8_t *p, 
     }
 }
 
-/* sums [n] = one cached row's codes (bytes code + 128) times each head's quantised latent query, in integers; the
-   row is loaded once for every head */
+/* sums [n] = one cached row's codes - 128 (stored as bytes code + 128) times each head's quantised latent query, in
+   integers; the row is loaded once for a group of heads */
 static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, int32_t *sums) {
     for (int j0 = 0; j0 < n; j0 += HEAD_GROUP) {
         int count = n - j0 < HEAD_GROUP ? n - j0 : HEAD_GROUP;
-#ifdef K2_VNNI
-        if (c % 64 == 0) {
-            __m512i acc[HEAD_GROUP];
-            for (int j = 0; j < count; j++) acc[j] = _mm512_setzero_si512();
-            for (int i = 0; i < c; i += 64) {
-                __m512i row = _mm512_loadu_si512(codes + i);
-                for (int j = 0; j < count; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], row, _mm512_loadu_si512(lat[j0 + j].q + i));
+        if (c % VBYTES == 0) {
+            vi32 acc[HEAD_GROUP];
+            for (int j = 0; j < count; j++) acc[j] = (vi32){0};
+            for (int i = 0; i < c; i += VBYTES) {
+                vu8 row = load_u8(codes + i);
+                for (int j = 0; j < count; j++) acc[j] = dot4(acc[j], row, load_i8(lat[j0 + j].q + i));
             }
-            for (int j = 0; j < count; j++) sums[j0 + j] = _mm512_reduce_add_epi32(acc[j]);
+            for (int j = 0; j < count; j++) sums[j0 + j] = sum_lanes(acc[j]) - DOT_BIAS * lat[j0 + j].sum[0];
             continue;
         }
-#endif
         for (int j = 0; j < count; j++) {
             int32_t s = 0;
-            for (int i = 0; i < c; i++) s += (int32_t)codes[i] * lat[j0 + j].q[i];
+            for (int i = 0; i < c; i++) s += ((int32_t)codes[i] - 128) * lat[j0 + j].q[i];
             sums[j0 + j] = s;
         }
     }
@@ -536,11 +525,7 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
 
 /* the cached float16 rope key of one position -> floats */
 static void rope_key(const uint16_t *half, int r, float *out) {
-    int i = 0;
-#ifdef K2_VNNI
-    for (; i + 16 <= r; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(half + i))));
-#endif
-    for (; i < r; i++) { _Float16 h; memcpy(&h, half + i, 2); out[i] = (float)h; }
+    for (int i = 0; i < r; i++) { _Float16 h; memcpy(&h, half + i, 2); out[i] = (float)h; }
 }
 
 /* phase 1, heads: q_nope through W_UK per output column c, quantised per row */
@@ -577,7 +562,7 @@ static void scores_task(void *arg, int tid, int threads) {
         latent_dots(a->pages->latent + at * d->latent, d->latent, a->lat, heads, sums);
         float token_scale = a->pages->scale[at];
         for (int j = 0; j < heads; j++) {
-            float latent_score = (float)(sums[j] - 128 * a->lat[j].sum[0]) * a->lat[j].s[0] * token_scale;
+            float latent_score = (float)sums[j] * a->lat[j].s[0] * token_scale;
             float rope_score = dot_f32(a->q + (size_t)j * qk + d->nope, k_pe, d->rope);
             float s = (latent_score + rope_score) * d->softmax_scale;
             a->scores[(size_t)j * keys + t] = s;
@@ -1017,6 +1002,9 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
 
 /* the rows of a weight tile (K2Lin), for runtime/native_decode.py to lay the weights out with */
 int k2_tile(void) { return TILE; }
+
+/* the instruction set the products were built for (runtime/native/isa.h) */
+const char *k2_isa(void) { return K2_ISA; }
 
 /* hidden [batch, m] -> logits [batch, vocab]: the final norm and the head, its rows read once for the batch */
 void k2_logits(const K2Model *m, int batch, const float *hidden, float *logits, float *scratch) {
