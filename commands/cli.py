@@ -228,8 +228,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
                 tools_grammar(tools, "auto", False, thinking_mode(tokenizer, prompt)))
         except GrammarError as exc:
             raise K2Error(f"--tools {args.tools}: {exc}") from None
-    result = _load_generator(args, len(prompt) + args.max_new_tokens, manifest).generate(
-        [prompt], params, lambda ids: constraint)[0]
+    generator = _load_generator(args, len(prompt) + args.max_new_tokens, manifest)
+    kernels = getattr(generator.model, "decode_kernels", None)  # the cpu provider's choice, and why
+    if kernels:
+        print(f"decode: {kernels}", file=sys.stderr)
+    result = generator.generate([prompt], params, lambda ids: constraint)[0]
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
     calls, finish_reason, reasoning = [], result.finish_reason, None
     if args.chat and text is not None:
@@ -245,7 +248,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.json:
         _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "reasoning": reasoning or None,
                      "text": text, "tool_calls": calls, "finish_reason": finish_reason,
-                     "ttft_ms": round(result.ttft_ms, 3), "tpot_ms": round(result.tpot_ms, 3)})
+                     "ttft_ms": round(result.ttft_ms, 3), "tpot_ms": round(result.tpot_ms, 3),
+                     "decode_kernels": kernels})
     else:
         if reasoning:
             print(f"[reasoning] {reasoning}")

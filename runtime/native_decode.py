@@ -330,6 +330,21 @@ class NativeDecoder:
             layer.down = g.linear(f"{shared}down_proj", m, width)
         return layer
 
+    def layer_step(self, layer: int, hidden: np.ndarray, position: int, page_table: np.ndarray,
+                   pools: dict[str, np.ndarray]) -> np.ndarray:
+        """One decoder layer for one sequence: hidden [m] in, the layer's output [m] out (a new array); the layer's
+        new entry at `position` lands in its page of `pools` (that layer's latent, latent_scale and rope pools,
+        [pages, PAGE_SIZE, width])."""
+        out = np.array(hidden, dtype=np.float32).reshape(self.config.hidden_size)
+        table = np.ascontiguousarray(page_table, dtype=np.int64)
+        pages = (Pages * 1)(Pages(_address(pools["latent"]), _address(pools["latent_scale"]), _address(pools["rope"])))
+        status = self.lib.k2_decode_layers(ctypes.addressof(self.model), layer, 1, 1, _address(np.array([position], np.int32)),
+                                           _address(table), len(table), ctypes.addressof(pages), _address(out),
+                                           _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused layer {layer} at position {position}")
+        return out
+
     def step(self, token: int, position: int, page_table: np.ndarray, arrays: dict[str, np.ndarray]) -> np.ndarray:
         """token at position (the sequence holds `position` entries before it), page_table [n] the sequence's
         pages, arrays the cache's pools by name ([layers, pages, PAGE_SIZE, width]) -> hidden [m], the last layer's

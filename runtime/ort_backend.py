@@ -18,6 +18,7 @@ from ..core.manifest import Manifest
 from ..core.targets import artifact_target
 from .cache import Cache, CacheView, SlotView, pages_for
 from .kv_cache import LatentPages, LatentPagesView
+from .decode_choice import choose
 from .native_build import NativeUnavailable
 from .native_decode import DECODE_KERNELS, NativeDecoder
 from .thread_pool import process_threads, session_options, yield_to_native_decode
@@ -91,8 +92,9 @@ class OrtModel:
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
         by host_share, the number of processes running stages on it). decode: how a decode step (one token for each
         sequence of a batch) runs: "native" through runtime/native_decode.py (an error where it cannot), "onnx"
-        through the graphs, "auto" natively where the artifact, provider and host allow it, else through the graphs
-        (`decode_kernels` says which, and why)."""
+        through the graphs, "auto" natively where the artifact, provider and host allow it and the native step is
+        not the slower here (runtime/decode_choice.py), else through the graphs (`decode_kernels` says which, and
+        why)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
@@ -136,8 +138,13 @@ class OrtModel:
             if provider != "cpu" or not (self.first and self.last):
                 raise NativeUnavailable("it runs the whole model on the cpu provider")
             native = NativeDecoder(self.manifest, self.threads, self.config.max_position_embeddings)
+            why = "asked for"
+            if decode == "auto":
+                chosen, why = choose(self, native, self.threads)
+                if not chosen:
+                    return None, f"onnx (native {native.isa}: {why})"
             yield_to_native_decode()
-            return native, f"native ({native.isa})"
+            return native, f"native ({native.isa}; {why})"
         except NativeUnavailable as exc:
             if decode == "native":
                 raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None

@@ -15,7 +15,7 @@ from child_env import child_env
 from cli import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime import native_build
+from k2deploy.runtime import decode_choice, native_build
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.native_build import NativeUnavailable
 from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder, Pages, _address
@@ -27,10 +27,13 @@ STEPS = 48
 
 
 def _native_or_skip(artifact) -> OrtModel:
-    model = OrtModel(load_manifest(artifact), decode="auto")
-    if model.native is None:
-        pytest.skip(f"the native decode step does not run here: {model.decode_kernels}")
-    return model
+    """The artifact's model decoding through the native step: a failure where it cannot run but a C compiler
+    exists (the artifact then does not fit the step), a skip only without a compiler."""
+    try:
+        native_build.build()
+    except NativeUnavailable as exc:
+        pytest.skip(f"the native decode step cannot be built here: {exc}")
+    return OrtModel(load_manifest(artifact), decode="native")
 
 
 def _teacher_forced(model: OrtModel, tokens: list[int]) -> tuple[np.ndarray, dict]:
@@ -52,7 +55,7 @@ def test_native_steps_give_the_graphs_logits_and_cache_entries(tiny_cpu_artifact
     cache row gives chance agreement."""
     native = _native_or_skip(tiny_cpu_artifact)
     graphs = OrtModel(load_manifest(tiny_cpu_artifact), decode="onnx")
-    assert native.decode_kernels == f"native ({native.native.isa})" and graphs.native is None
+    assert native.decode_kernels == f"native ({native.native.isa}; asked for)" and graphs.native is None
     continuation = [int(t) for t in Generator(graphs).generate([PROMPT], SamplingParams(max_new_tokens=STEPS))[0].token_ids]
     expected, expected_cache = _teacher_forced(graphs, continuation)
     got, got_cache = _teacher_forced(native, continuation)
@@ -84,12 +87,7 @@ def layer_by_layer(artifact) -> list[tuple[float, int]]:
     for layer in range(graphs.num_layers):
         pools = {name: array[layer].copy() for name, array in view.pages.arrays.items()}  # the native layer's copy
         expected = graphs.run_layer(layer, hidden, np.array([[position]], np.int64), view, new)
-        got = hidden[0, 0].copy()
-        pages = (Pages * 1)(Pages(_address(pools["latent"]), _address(pools["latent_scale"]), _address(pools["rope"])))
-        table = np.ascontiguousarray(view.page_table[0], dtype=np.int64)
-        assert native.lib.k2_decode_layers(ctypes.addressof(native.model), layer, 1, 1,
-                                           _address(np.array([position], np.int32)), _address(table), len(table),
-                                           ctypes.addressof(pages), _address(got), _address(native.scratch)) == 0
+        got = native.layer_step(layer, hidden[0, 0], position, view.page_table[0], pools)
         change = np.abs(expected[0, 0] - hidden[0, 0]).max()
         page, offset = view.page_table[0, position // 64], position % 64  # the new entry, as each wrote it
         codes = pools["latent"][page, offset].astype(int) - view.entries["latent"][0, 0].astype(int)
@@ -201,6 +199,36 @@ def test_generate_decodes_a_batch_natively_as_each_prompt_alone(tiny_cpu_artifac
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
 
+def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifact, tmp_path, monkeypatch):
+    """auto times layer 0 both ways at the first start (figures kept in the build's cache folder, keyed by the
+    build, the artifact and the threads) and takes the faster; a later start reads the figures, and a damaged
+    file is measured again."""
+    _native_or_skip(tiny_cpu_artifact)
+    monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path))
+    timed = []
+    figures = {"faster": (0.5, 1.0), "slower": (2.0, 1.0)}
+    monkeypatch.setattr(decode_choice, "time_first_layer", lambda model, native: timed.append(1) or figures[case])
+    case = "slower"
+    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert model.native is None and model.decode_kernels.startswith("onnx (native ")
+    assert "slower than the graphs here" in model.decode_kernels and "2.000 ms" in model.decode_kernels
+    assert timed == [1]
+    kept = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert kept.native is None and "kept from an earlier run" in kept.decode_kernels and timed == [1]
+    (tmp_path / decode_choice.CHOICES).write_text('{"' + '": {"native_ms": -1}}')  # damaged: measured again
+    case = "faster"
+    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert model.native is not None and timed == [1, 1]
+    assert model.decode_kernels.startswith(f"native ({model.native.isa}; layer 0 measured 0.500 ms")
+    assert json.loads((tmp_path / decode_choice.CHOICES).read_text())  # rewritten whole
+
+
+def test_the_first_layer_is_timed_both_ways(tiny_cpu_artifact):
+    model = _native_or_skip(tiny_cpu_artifact)
+    native_ms, graphs_ms = decode_choice.time_first_layer(model, model.native)
+    assert native_ms > 0 and graphs_ms > 0
+
+
 def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifact):
     model = _native_or_skip(tiny_cpu_artifact)
     cache = model.new_cache(1, 64)
@@ -267,6 +295,9 @@ def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_a
     assert all(run.returncode == 0 for run in runs.values()), [run.stderr for run in runs.values()]
     tokens = {key: json.loads(run.stdout)["token_ids"] for key, run in runs.items()}
     assert tokens["native", "1"] == tokens["native", "2"]
+    kernels = {key: json.loads(run.stdout)["decode_kernels"] for key, run in runs.items()}
+    assert kernels["native", "1"].startswith("native (") and kernels["onnx", "1"] == "onnx"
+    assert all(f"decode: {kernels[key]}" in run.stderr for key, run in runs.items())  # said on stderr too
     refused = run_cli("generate", tiny_artifacts["fp8"], "--prompt-ids", "1,2", "--decode", "native")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "native decode step cannot run" in refused.stderr

@@ -2,6 +2,7 @@
 those bytes at one and two threads (no timing is asserted)."""
 
 import importlib.util
+import math
 import shutil
 from pathlib import Path
 
@@ -40,4 +41,4 @@ def test_the_kernel_streams_each_product_once_and_k_of_e_experts_a_step(tmp_path
     result = script.run_kernel(script.compile_kernel(tmp_path), products, threads, steps=5, warmup=1, seed=1)
     expert = 16 * 64 * 3
     assert result["bytes"] == 32 * 64 + 2 * expert + 48 * 128
-    assert result["step_ms"] > 0 and result["gbps"] > 0
+    assert all(math.isfinite(result[key]) and result[key] >= 0 for key in ("step_ms", "gbps"))  # whatever the speed

@@ -109,7 +109,8 @@ static void pin(int cpu) {  /* the calling thread onto one CPU */
 static int may_spin(double at) { return pool.spin && at >= atomic_load(&pool.quiet_until); }
 
 static void *worker(void *arg) {
-    int tid = (int)(intptr_t)arg, seen = atomic_load(&pool.generation);
+    int tid = (int)(intptr_t)arg, seen = 0;  /* the generation at the pool's start: read here instead, a phase
+                                                started before this thread first ran would be missed */
     if (pool.cpus[tid] >= 0) pin(pool.cpus[tid]);
     char name[16];
     snprintf(name, sizeof name, "k2-decode-%d", tid);

@@ -146,9 +146,12 @@ static inline void interleave4(const vi8 r[4], vi8 quad[4]) {
     int16x8x2_t hi = vzipq_s16(vreinterpretq_s16_s8(z01.val[1]), vreinterpretq_s16_s8(z23.val[1]));
     quad[0] = (vi8)lo.val[0]; quad[1] = (vi8)lo.val[1]; quad[2] = (vi8)hi.val[0]; quad[3] = (vi8)hi.val[1];
 #else
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 4; k++) {
+        vi8 q = {0};
         for (int lane = 0; lane < LANES; lane++)
-            for (int j = 0; j < 4; j++) quad[k][4 * lane + j] = r[j][16 * (lane / 4) + 4 * k + lane % 4];
+            for (int j = 0; j < 4; j++) q[4 * lane + j] = r[j][16 * (lane / 4) + 4 * k + lane % 4];
+        quad[k] = q;
+    }
 #endif
 }
 
