@@ -14,8 +14,9 @@ linears: MatMulNBits, int8 blocks of the input dim, activations quantised per bl
 MlaAttentionInt8Cache over the int8 cache read in place, W_UK and W_UV int8 per output column (held four input rows
 interleaved), the query rows and the probabilities quantised per row as the graph does; routing: MoeRoute (sigmoid,
 correction bias, group limit, top-k with ties to the lower id, normalise, scale); experts: QMoE's fused SwiGLU
-(gate and up rows interleaved), activations quantised per block (ONNX Runtime's QMoE with accuracy_level 4 does the
-same: measured equal to 1e-7). Layer by layer its output is the graph's to float rounding
+(gate and up rows interleaved), 8-bit int8 blocks or an INT4 checkpoint's own 4-bit codes (zero point 8, float32
+group scales), activations quantised per block or group (ONNX Runtime's QMoE with accuracy_level 4 does the same:
+measured equal to 1e-7 with 8 bits, 4e-7 with 4). Layer by layer its output is the graph's to float rounding
 (tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
 near-tied expert flips now and then.
 
@@ -49,7 +50,7 @@ TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type 
 
 
 class Lin(ctypes.Structure):
-    _fields_ = [("w", _ptr), ("s", _ptr), ("n", _int), ("k", _int), ("block", _int)]
+    _fields_ = [("w", _ptr), ("s", _ptr), ("n", _int), ("k", _int), ("block", _int), ("bits", _int)]
 
 
 class Dims(ctypes.Structure):
@@ -63,7 +64,7 @@ class Layer(ctypes.Structure):
                 ("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("o", Lin), ("w_uk", _ptr), ("w_uv", _ptr),
                 ("uk_s", _ptr), ("uv_s", _ptr), ("moe", _int), ("experts", _int), ("width", _int),
                 ("gate", Lin), ("up", Lin), ("down", Lin), ("router", _ptr), ("bias", _ptr), ("fc1", _ptr),
-                ("fc2", _ptr), ("fc1_s", _ptr), ("fc2_s", _ptr), ("block", _int)]
+                ("fc2", _ptr), ("fc1_s", _ptr), ("fc2_s", _ptr), ("block", _int), ("bits", _int)]
 
 
 class Model(ctypes.Structure):
@@ -113,21 +114,45 @@ def _read(file: Path) -> np.ndarray:
     return data
 
 
-def tiled(codes: np.ndarray, scales: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndarray]:
-    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it: codes [..., n, k] uint8 and block scales
-    [..., n, k / block] -> codes [..., tiles, k / 4, tile, 4] (each tile's rows side by side, four inputs at a time,
-    so that one int8 dot instruction takes 16 rows and no sum crosses lanes) and scales [..., tiles, k / block,
-    tile]; n padded to whole tiles with zero rows (their outputs are never read), in memory of its own (`_huge`)."""
-    *lead, n, k = codes.shape
+def _tile_rows(codes: np.ndarray, tile: int) -> np.ndarray:
+    """codes [n, k] -> [tiles, k / 4, tile, 4]: each tile's rows side by side, four inputs at a time, n padded to
+    whole tiles with zero rows (their outputs are never read)."""
+    n, k = codes.shape
+    count = -(-n // tile)
+    codes = np.pad(codes, [(0, count * tile - n), (0, 0)])
+    return codes.reshape(count, tile, k // 4, 4).swapaxes(1, 2)
+
+
+def _nibbles(packed: np.ndarray, tile: int) -> np.ndarray:
+    """4-bit codes [n, k / 2] (two a byte, the lower input in the low nibble: QMoE's layout) -> [tiles, k / 8, tile,
+    4] bytes: inputs 8 i .. 8 i + 3 of each row in the low nibbles, 8 i + 4 .. 8 i + 7 in the high ones."""
+    n, half = packed.shape
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, 2 * half)
+    laid = _tile_rows(codes, tile)  # [tiles, k / 4, tile, 4], one code a byte
+    return laid[:, 0::2] | (laid[:, 1::2] << 4)
+
+
+def tiled(codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it: codes [..., n, k] uint8 (bits 8) or [..., n,
+    k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] -> codes [..., tiles, k / 4, tile, 4]
+    (bits 8: each tile's rows side by side, four inputs at a time, so that one int8 dot instruction takes 16 rows
+    and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], `_nibbles`) and scales [..., tiles, k / block,
+    tile], in memory of its own (`_huge`), one matrix of a stack at a time (nothing of the stack's size is copied
+    on the way)."""
+    *lead, n, width = codes.shape
     blocks = scales.shape[-1]
     count = -(-n // tile)
-    pad = [(0, 0)] * len(lead) + [(0, count * tile - n), (0, 0)]
-    codes, scales = np.pad(codes, pad), np.pad(scales, pad)
-    laid = _huge(codes.size).reshape(*lead, count, k // 4, tile, 4)
-    laid[...] = codes.reshape(*lead, count, tile, k // 4, 4).swapaxes(-3, -2)
-    laid_scales = _huge(scales.size * 4).view(np.float32).reshape(*lead, count, blocks, tile)
-    laid_scales[...] = scales.reshape(*lead, count, tile, blocks).swapaxes(-2, -1)
-    return laid, laid_scales
+    laid_codes = _huge(int(np.prod(lead, dtype=np.int64)) * count * tile * width)
+    laid_codes = laid_codes.reshape(-1, count * tile * width)
+    laid_scales = _huge(int(np.prod(lead, dtype=np.int64)) * count * tile * blocks * 4).view(np.float32)
+    laid_scales = laid_scales.reshape(-1, count, blocks, tile)
+    flat_codes, flat_scales = codes.reshape(-1, n, width), scales.reshape(-1, n, blocks)
+    for i in range(len(flat_codes)):
+        laid = _nibbles(flat_codes[i], tile) if bits == 4 else _tile_rows(flat_codes[i], tile)
+        laid_codes[i] = laid.reshape(-1)
+        rows = np.pad(flat_scales[i], [(0, count * tile - n), (0, 0)])
+        laid_scales[i] = rows.reshape(count, tile, blocks).swapaxes(-2, -1)
+    return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
 
 
 def _mapped(file: Path) -> np.ndarray:
@@ -187,11 +212,11 @@ class GraphWeights:
         codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,)).reshape(rows, cols)
         scales = self.array(f"{name}.weight_int8_scale", (rows, cols // block), (1,))
         codes, scales = self.tiles(codes, scales)
-        return Lin(_address(codes), _address(scales), rows, cols, block)
+        return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
-    def tiles(self, codes: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
         """`tiled`, kept alive with the model."""
-        codes, scales = tiled(codes, scales, self.tile)
+        codes, scales = tiled(codes, scales, self.tile, bits)
         return self.keep(codes), self.keep(scales)
 
     def release(self) -> None:
@@ -202,7 +227,7 @@ class GraphWeights:
 
 class NativeDecoder:
     """The whole model's decode step for one or several sequences over one artifact's weights (a cpu-target artifact
-    with the int8 cache, int8 linears and 8-bit routed experts); NativeUnavailable where the artifact or host does
+    with the int8 cache, int8 linears and 8-bit or 4-bit routed experts); NativeUnavailable where the artifact or host does
     not fit."""
 
     def __init__(self, manifest: Manifest, threads: int, max_len: int):
@@ -308,19 +333,11 @@ class NativeDecoder:
             layer.down = g.linear("mlp.down_proj", m, f)
             return layer
         e, f = c.n_routed_experts, c.moe_intermediate_size
-        scale = g.tensors.get("mlp.experts_fc1_scale")
-        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
-            raise NativeUnavailable(f"{g.path.name}: the routed experts are not 8-bit int8 blocks")
-        block = m // scale.dims[2]
-        if f % block or block % 4:
-            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f} or "
-                                    f"is not a multiple of 4")
-        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,)),
-                             g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
-        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_weight", (e, m, f), (2,)),
-                             g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
-        layer.moe, layer.experts, layer.width, layer.block = 1, e, f, block
-        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
+        layer.moe, layer.experts, layer.width = 1, e, f
+        if "mlp.experts_fc1_codes" in g.tensors:
+            self._experts_int4(g, layer, e, f, m)
+        else:
+            self._experts_int8(g, layer, e, f, m)
         layer.router = _address(g.floats("mlp.gate.weight", (e, m)))
         layer.bias = _address(g.floats("mlp.gate.e_score_correction_bias", (e,)))
         if c.n_shared_experts:
@@ -344,6 +361,43 @@ class NativeDecoder:
         if status != 0:
             raise K2Error(f"the native decode step refused layer {layer} at position {position}")
         return out
+
+    @staticmethod
+    def _experts_int8(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
+        """The routed experts as int8 blocks (QMoE 8 bits): fc1 [e, 2f, m] (gate and up rows interleaved), fc2 [e, m,
+        f], bytes code + 128, one float32 scale a block."""
+        scale = g.tensors.get("mlp.experts_fc1_scale")
+        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
+            raise NativeUnavailable(f"{g.path.name}: the routed experts are neither 8-bit int8 blocks nor 4-bit codes")
+        block = m // scale.dims[2]
+        if f % block or block % 4:
+            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f} or "
+                                    f"is not a multiple of 4")
+        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,)),
+                             g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
+        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_weight", (e, m, f), (2,)),
+                             g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
+        layer.block, layer.bits = block, 8
+        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
+
+    @staticmethod
+    def _experts_int4(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
+        """The routed experts as 4-bit codes (QMoE 4 bits, the INT4 checkpoint's own: zero point 8, two codes a byte,
+        the lower input in the low nibble): fc1 [e, 2f, m / 2] (gate and up rows interleaved), fc2 [e, m, f / 2], one
+        float32 scale a group."""
+        scale = g.tensors.get("mlp.experts_fc1_scales")
+        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
+            raise NativeUnavailable(f"{g.path.name}: the 4-bit experts' scales are not one a group of the hidden size")
+        group = m // scale.dims[2]
+        if f % group or group % 8:
+            raise NativeUnavailable(f"{g.path.name}: the experts' 4-bit group {group} does not divide their width {f} "
+                                    f"or is not a multiple of 8")
+        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_codes", (e, 2 * f, m // 2), (2,)),
+                             g.array("mlp.experts_fc1_scales", (e, 2 * f, m // group), (1,)), bits=4)
+        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_codes", (e, m, f // 2), (2,)),
+                             g.array("mlp.experts_fc2_scales", (e, m, f // group), (1,)), bits=4)
+        layer.block, layer.bits = group, 4
+        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
 
     def step(self, token: int, position: int, page_table: np.ndarray, arrays: dict[str, np.ndarray]) -> np.ndarray:
         """token at position (the sequence holds `position` entries before it), page_table [n] the sequence's

@@ -75,3 +75,17 @@ def tiny_cpu_artifact(tiny_checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("artifacts") / "cpu"
     export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu"), out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_int4_cpu_artifact(tmp_path_factory):
+    """The tiny preset in Kimi-K2-Thinking's INT4 layout, exported for --target cpu (its routed experts as the
+    checkpoint's own 4-bit codes, the rest int8)."""
+    pytest.importorskip("torch")
+    from k2deploy.export.exporter import ExportOptions, export_artifact
+
+    checkpoint = write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-int4", preset_config("tiny", weights="int4"),
+                                  seed=0, shard_bytes=SHARD_BYTES["tiny"])
+    out = tmp_path_factory.mktemp("artifacts") / "cpu-int4"
+    export_artifact(ExportOptions(str(checkpoint), target="cpu"), out)
+    return out

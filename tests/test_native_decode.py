@@ -97,13 +97,15 @@ def layer_by_layer(artifact) -> list[tuple[float, int]]:
     return found
 
 
-def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact):
-    """The native layer's output is the layer graph's to float rounding (measured on tiny: within 5e-7 of each
+@pytest.mark.parametrize("experts", ["int8", "int4"])
+def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact, tiny_int4_cpu_artifact, experts):
+    """With 8-bit routed experts and with an INT4 checkpoint's own 4-bit ones, the native layer's output is the layer graph's to float rounding (measured on tiny: within 5e-7 of each
     layer's change of the hidden state, relatively; the claim 1e-3 leaves room for another order of float sums),
     its new cache entry within one int8 step. The graphs' and the native step's int8 roundings are the same ones,
     so the spread of whole-model logits above comes from a rounding step or a near-tied expert that flips now and
     then, and grows through the layers, not from different maths."""
-    for layer, (error, codes) in enumerate(layer_by_layer(tiny_cpu_artifact)):
+    artifact = tiny_int4_cpu_artifact if experts == "int4" else tiny_cpu_artifact
+    for layer, (error, codes) in enumerate(layer_by_layer(artifact)):
         assert error < 1e-3 and codes <= 1, layer
 
 
@@ -115,7 +117,7 @@ print(json.dumps(test_native_decode.layer_by_layer(sys.argv[1])))
 
 
 @pytest.mark.parametrize("level", native_build.levels())
-def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, level, tmp_path):
+def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, tiny_int4_cpu_artifact, level):
     """Each instruction-set level's build (its own -march, its own lowering of isa.h's dot4 and interleave4) gives
     every layer the graph's output to float rounding and its cache entry within one int8 step, checked in a process
     of its own for every level this CPU runs; a level it cannot run is a skip that names it (an AVX-512 host runs
@@ -124,11 +126,12 @@ def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, 
         pytest.skip(f"this CPU cannot run the {level} build")
     env = child_env(Path(__file__).parent)
     env[native_build.ISA_VARIABLE] = level
-    run = subprocess.run([sys.executable, "-c", _LEVEL_CHECK, str(tiny_cpu_artifact)], capture_output=True, text=True,
-                         env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    for layer, (error, codes) in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
-        assert error < 1e-3 and codes <= 1, (level, layer, error, codes)
+    for artifact in (tiny_cpu_artifact, tiny_int4_cpu_artifact):  # 8-bit and 4-bit routed experts
+        run = subprocess.run([sys.executable, "-c", _LEVEL_CHECK, str(artifact)], capture_output=True, text=True,
+                             env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        for layer, (error, codes) in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
+            assert error < 1e-3 and codes <= 1, (level, artifact.name, layer, error, codes)
 
 
 # One process per thread count (a process's pool is sized once): 156 native steps from an empty cache (three pages,

@@ -45,10 +45,11 @@
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
 
 #define TILE 64  /* weight rows laid out together: one int8 dot instruction per 16 of them, no horizontal sum */
-/* n rows of k inputs in tiles of TILE rows (the last padded with zero rows): w [tiles(n), k / 4, TILE, 4], each
-   tile's four consecutive inputs of its rows side by side; s [tiles(n), k / block, TILE] (runtime/native_decode.py
-   tiles) */
-typedef struct { const uint8_t *w; const float *s; int n, k, block; } K2Lin;
+/* n rows of k inputs in tiles of TILE rows (the last padded with zero rows), s [tiles(n), k / block, TILE] the block
+   scales (runtime/native_decode.py tiled). bits 8: w [tiles(n), k / 4, TILE, 4] bytes code + 128, each tile's four
+   consecutive inputs of its rows side by side; bits 4: w [tiles(n), k / 8, TILE, 4] bytes, the 4-bit codes (value
+   + 8) of inputs 8 i .. 8 i + 3 in the low nibbles and of 8 i + 4 .. 8 i + 7 in the high ones (tiled_nibbles) */
+typedef struct { const uint8_t *w; const float *s; int n, k, block, bits; } K2Lin;
 static size_t tiles(int n) { return (size_t)(n + TILE - 1) / TILE; }
 
 typedef struct {
@@ -66,7 +67,7 @@ typedef struct {
     const float *router, *bias;   /* [e, m], [e] */
     const uint8_t *fc1, *fc2;     /* per expert a K2Lin's tiles: 2 width rows (gate and up interleaved) of m, m of width */
     const float *fc1_s, *fc2_s;   /* and their scales */
-    int block;                    /* the experts' block */
+    int block, bits;              /* the experts' block (or 4-bit group), and 8 or 4 bits a weight (K2Lin) */
 } K2Layer;
 
 typedef struct {
@@ -265,6 +266,31 @@ static void tile_dot(const uint8_t *w, const float *ws, const Quant *a, float *y
     for (int v = 0; v < TILE_VECTORS; v++) store_f32(y + LANES * v, acc[v]);
 }
 
+/* tile_dot over 4-bit codes (K2Lin bits 4): per group, the integer sum of codes x activation codes, less 8 x the
+   group's activation sum (the zero point), exact, then times both scales, summed in group order */
+static void tile_dot_int4(const uint8_t *w, const float *ws, const Quant *a, float *y) {
+    int groups = a->k / a->block, pairs = a->block / 8;
+    vf32 acc[TILE_VECTORS];
+    for (int v = 0; v < TILE_VECTORS; v++) acc[v] = (vf32){0};
+    for (int j = 0; j < groups; j++) {
+        vi32 sum[TILE_VECTORS];
+        for (int v = 0; v < TILE_VECTORS; v++) sum[v] = (vi32){0};
+        for (int g = j * pairs; g < (j + 1) * pairs; g++) {
+            vi8 low = splat4(a->q + 8 * g), high = splat4(a->q + 8 * g + 4);
+            const uint8_t *rows = w + (size_t)g * TILE * 4;
+            for (int v = 0; v < TILE_VECTORS; v++) {
+                vu8 codes = load_u8(rows + VBYTES * v);
+                sum[v] = dot4_small(dot4_small(sum[v], codes & 0x0F, low), codes >> 4, high);
+            }
+        }
+        int32_t zero = 8 * a->sum[j];
+        float scale = a->s[j];
+        for (int v = 0; v < TILE_VECTORS; v++)
+            acc[v] += __builtin_convertvector(sum[v] - zero, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
+    }
+    for (int v = 0; v < TILE_VECTORS; v++) store_f32(y + LANES * v, acc[v]);
+}
+
 #define COLUMN_VECTORS 8  /* vectors of columns columns_product() takes in one pass */
 
 /* columns j0 .. j0 + count LANES - 1 of columns_product(); count a constant where it is called, so that the
@@ -324,17 +350,14 @@ static void products_task(void *arg, int tid, int threads) {
         const K2Lin *l = &p->lin[i];
         int count = (int)tiles(l->n), lo = start > base ? start - base : 0, hi = stop - base < count ? stop - base : count;
         for (int t = lo; t < hi; t++) {
-            const uint8_t *w = l->w + (size_t)t * TILE * l->k;
+            const uint8_t *w = l->w + (size_t)t * TILE * l->k / (8 / l->bits);
             const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
             int rows = MIN(TILE, l->n - t * TILE);
             for (int j = 0; j < p->count[i]; j++) {
-                float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE;
-                if (rows == TILE) {
-                    tile_dot(w, ws, &p->in[i][j], out);
-                } else {
-                    tile_dot(w, ws, &p->in[i][j], y);
-                    memcpy(out, y, rows * sizeof(float));
-                }
+                float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE, *into = rows == TILE ? out : y;
+                if (l->bits == 4) tile_dot_int4(w, ws, &p->in[i][j], into);
+                else tile_dot(w, ws, &p->in[i][j], into);
+                if (into != out) memcpy(out, y, rows * sizeof(float));
             }
         }
         base += count;
@@ -786,9 +809,11 @@ static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const
         size_t e = (size_t)chosen[i];
         if (part_of[e] < 0) {
             part_of[e] = x.parts;
-            x.up[x.parts] = (K2Lin){l->fc1 + e * up * m, l->fc1_s + e * up * (m / l->block), (int)rows, m, l->block};
-            x.down[x.parts] = (K2Lin){l->fc2 + e * down * l->width, l->fc2_s + e * down * (l->width / l->block), m, l->width,
-                                      l->block};
+            size_t per_byte = 8 / l->bits;  /* weights a byte */
+            x.up[x.parts] = (K2Lin){l->fc1 + e * up * m / per_byte, l->fc1_s + e * up * (m / l->block), (int)rows, m,
+                                    l->block, l->bits};
+            x.down[x.parts] = (K2Lin){l->fc2 + e * down * l->width / per_byte, l->fc2_s + e * down * (l->width / l->block),
+                                      m, l->width, l->block, l->bits};
             x.count[x.parts++] = 0;
         }
         x.part[i] = part_of[e];
@@ -979,8 +1004,10 @@ int k2_decode_layers(const K2Model *m, int first, int count, int batch, const in
     for (int s = 0; s < batch; s++)
         if (pos[s] < 0 || pos[s] >= d->max_len || pos[s] / PAGE >= table_len) return -1;
     if (d->top_k > MAX_TOP_K || d->n_group > MAX_GROUPS || d->topk_group > MAX_GROUPS) return -1;
-    for (int i = 0; i < count; i++)
-        if (m->layer[first + i].moe && m->layer[first + i].experts > MAX_EXPERTS) return -1;
+    for (int i = 0; i < count; i++) {
+        const K2Layer *l = &m->layer[first + i];
+        if (l->moe && (l->experts > MAX_EXPERTS || (l->bits != 8 && l->bits != 4))) return -1;
+    }
     Bump b = step_scratch(m, scratch);
     Held held = hold_cpu();
     for (int i = 0; i < count; i++)

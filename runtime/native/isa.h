@@ -4,6 +4,8 @@
  * the target's integer registers) and two primitives that each target lowers to its own instructions:
  *   dot4(acc, w, a)        acc + in each 32-bit lane the four products of w's bytes (unsigned) and a's bytes
  *                          (signed), with w taken as w - 128 + DOT_BIAS: exact while a's bytes lie in -127..127;
+ *   dot4_small(acc, w, a)  the same for w's bytes in 0..127 taken as they are (4-bit codes): exact, and one or two
+ *                          instructions everywhere (no sign juggling: each pair of products fits 16 bits);
  *   interleave4(r, quad)   four rows of bytes -> four vectors whose 32-bit lanes each hold one column of the four
  *                          rows (quad k, lane 4 L + m holds column 16 L + 4 k + m: x86's unpack instructions work
  *                          within 16-byte lanes, and every target here follows that order).
@@ -120,6 +122,35 @@ static inline vi32 dot4(vi32 acc, vu8 w, vi8 a) {
     for (int i = 0; i < LANES; i++) {
         int32_t s = 0;
         for (int j = 0; j < 4; j++) s += ((int32_t)w[4 * i + j] - 128 + DOT_BIAS) * a[4 * i + j];
+        acc[i] += s;
+    }
+    return acc;
+#endif
+}
+
+static inline vi32 dot4_small(vi32 acc, vu8 w, vi8 a) {
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    return (vi32)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)a);
+#elif defined(__AVX512BW__)
+    return acc + (vi32)_mm512_madd_epi16(_mm512_maddubs_epi16((__m512i)w, (__m512i)a), _mm512_set1_epi16(1));
+#elif defined(__AVX2__) && defined(__AVXVNNI__)
+    return (vi32)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)a);
+#elif defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return (vi32)_mm256_dpbusd_epi32((__m256i)acc, (__m256i)w, (__m256i)a);
+#elif defined(__AVX2__)
+    return acc + (vi32)_mm256_madd_epi16(_mm256_maddubs_epi16((__m256i)w, (__m256i)a), _mm256_set1_epi16(1));
+#elif defined(__SSSE3__)
+    return acc + (vi32)_mm_madd_epi16(_mm_maddubs_epi16((__m128i)w, (__m128i)a), _mm_set1_epi16(1));
+#elif defined(__ARM_NEON) && defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+    return (vi32)vdotq_s32((int32x4_t)acc, vreinterpretq_s8_u8((uint8x16_t)w), (int8x16_t)a);
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    int8x16_t s = vreinterpretq_s8_u8((uint8x16_t)w);
+    int16x8_t lo = vmull_s8(vget_low_s8(s), vget_low_s8((int8x16_t)a)), hi = vmull_high_s8(s, (int8x16_t)a);
+    return acc + (vi32)vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi));
+#else
+    for (int i = 0; i < LANES; i++) {
+        int32_t s = 0;
+        for (int j = 0; j < 4; j++) s += (int32_t)w[4 * i + j] * a[4 * i + j];
         acc[i] += s;
     }
     return acc;
