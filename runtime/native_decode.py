@@ -334,10 +334,7 @@ class NativeDecoder:
             return layer
         e, f = c.n_routed_experts, c.moe_intermediate_size
         layer.moe, layer.experts, layer.width = 1, e, f
-        if "mlp.experts_fc1_codes" in g.tensors:
-            self._experts_int4(g, layer, e, f, m)
-        else:
-            self._experts_int8(g, layer, e, f, m)
+        self._experts(g, layer, e, f, m)
         layer.router = _address(g.floats("mlp.gate.weight", (e, m)))
         layer.bias = _address(g.floats("mlp.gate.e_score_correction_bias", (e,)))
         if c.n_shared_experts:
@@ -363,40 +360,27 @@ class NativeDecoder:
         return out
 
     @staticmethod
-    def _experts_int8(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
-        """The routed experts as int8 blocks (QMoE 8 bits): fc1 [e, 2f, m] (gate and up rows interleaved), fc2 [e, m,
-        f], bytes code + 128, one float32 scale a block."""
-        scale = g.tensors.get("mlp.experts_fc1_scale")
+    def _experts(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
+        """The routed experts, fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f], as QMoE holds them:
+        int8 blocks (bytes code + 128, `experts_fc*_weight`, one float32 scale a block) or an INT4 checkpoint's own
+        4-bit codes (zero point 8, two a byte, the lower input in the low nibble, `experts_fc*_codes`, one float32
+        scale a group)."""
+        bits = 4 if "mlp.experts_fc1_codes" in g.tensors else 8
+        codes, scales, multiple = ("codes", "scales", 8) if bits == 4 else ("weight", "scale", 4)
+        scale = g.tensors.get(f"mlp.experts_fc1_{scales}")
         if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
-            raise NativeUnavailable(f"{g.path.name}: the routed experts are neither 8-bit int8 blocks nor 4-bit codes")
+            raise NativeUnavailable(f"{g.path.name}: the routed experts are neither 8-bit int8 blocks nor 4-bit codes "
+                                    f"with one scale a block of the hidden size")
         block = m // scale.dims[2]
-        if f % block or block % 4:
-            raise NativeUnavailable(f"{g.path.name}: the experts' block {block} does not divide their width {f} or "
-                                    f"is not a multiple of 4")
-        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_weight", (e, 2 * f, m), (2,)),
-                             g.array("mlp.experts_fc1_scale", (e, 2 * f, m // block), (1,)))
-        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_weight", (e, m, f), (2,)),
-                             g.array("mlp.experts_fc2_scale", (e, m, f // block), (1,)))
-        layer.block, layer.bits = block, 8
-        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
-
-    @staticmethod
-    def _experts_int4(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
-        """The routed experts as 4-bit codes (QMoE 4 bits, the INT4 checkpoint's own: zero point 8, two codes a byte,
-        the lower input in the low nibble): fc1 [e, 2f, m / 2] (gate and up rows interleaved), fc2 [e, m, f / 2], one
-        float32 scale a group."""
-        scale = g.tensors.get("mlp.experts_fc1_scales")
-        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
-            raise NativeUnavailable(f"{g.path.name}: the 4-bit experts' scales are not one a group of the hidden size")
-        group = m // scale.dims[2]
-        if f % group or group % 8:
-            raise NativeUnavailable(f"{g.path.name}: the experts' 4-bit group {group} does not divide their width {f} "
-                                    f"or is not a multiple of 8")
-        fc1, fc1_s = g.tiles(g.array("mlp.experts_fc1_codes", (e, 2 * f, m // 2), (2,)),
-                             g.array("mlp.experts_fc1_scales", (e, 2 * f, m // group), (1,)), bits=4)
-        fc2, fc2_s = g.tiles(g.array("mlp.experts_fc2_codes", (e, m, f // 2), (2,)),
-                             g.array("mlp.experts_fc2_scales", (e, m, f // group), (1,)), bits=4)
-        layer.block, layer.bits = group, 4
+        if f % block or block % multiple:
+            raise NativeUnavailable(f"{g.path.name}: the experts' {bits}-bit block {block} does not divide their width "
+                                    f"{f} or is not a multiple of {multiple}")
+        per_byte = 8 // bits
+        fc1, fc1_s = g.tiles(g.array(f"mlp.experts_fc1_{codes}", (e, 2 * f, m // per_byte), (2,)),
+                             g.array(f"mlp.experts_fc1_{scales}", (e, 2 * f, m // block), (1,)), bits)
+        fc2, fc2_s = g.tiles(g.array(f"mlp.experts_fc2_{codes}", (e, m, f // per_byte), (2,)),
+                             g.array(f"mlp.experts_fc2_{scales}", (e, m, f // block), (1,)), bits)
+        layer.block, layer.bits = block, bits
         layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
 
     def step(self, token: int, position: int, page_table: np.ndarray, arrays: dict[str, np.ndarray]) -> np.ndarray:
