@@ -1,4 +1,4 @@
-"""The native decode step: each sequence's next token through runtime/native/decode_step.c, beside the ONNX graphs.
+"""The native step: each sequence's next token, or a prompt's tokens, through runtime/native/decode_step.c.
 
 A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
 and around them than in them, and does not split them over threads well (README "Threads"). The native step runs
@@ -6,8 +6,11 @@ the same maths over the artifact's own weights (its .data files' codes and scale
 matrix's rows laid out in tiles, `tiled`), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
 the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each
 weight row is read once and multiplied by every sequence's input, the routed experts that any sequence chose are
-read once for all that chose them, and each sequence's result is the one it gets alone. Prefill and every other
-artifact still run through the graphs.
+read once for all that chose them, and each sequence's result is the one it gets alone. A prompt is such a batch
+too, its tokens at consecutive positions over the same pages (each layer stores every entry before its attention,
+which reads positions up to its own), so where the native step runs a model it runs prefill as well and the
+layer graphs are never loaded (runtime/ort_backend.py): every token's result is the one it gets alone, whatever
+else is in the batch and however its prompt is chunked. Every other artifact runs through the graphs.
 
 What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
 linears: MatMulNBits, int8 blocks of the input dim, activations quantised per block (absmax / 127); attention:
@@ -20,9 +23,9 @@ measured equal to 1e-7 with 8 bits, 4e-7 with 4). Layer by layer its output is t
 (tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
 near-tied expert flips now and then.
 
-ONNX Runtime's sessions hold their own (prepacked) copy of the weights for prefill, and the native step reads the
-layer and head weight files into memory of its own: a process holds the decoder weights twice (on `small` 217 MB
-more; with too little memory for that, `auto` keeps to the graphs).
+The weights are held once: the layer and head files are read one at a time into memory of the step's own, laid
+out in tiles and let go (the embedding is mapped: a step reads one row of it); ONNX Runtime's sessions are not
+loaded beside them. With too little memory for that, `auto` keeps to the graphs.
 """
 
 from __future__ import annotations
@@ -248,7 +251,7 @@ class NativeDecoder:
         available = available_memory()
         if available is not None and self.held_bytes > available:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
-                                    f"memory beside ONNX Runtime's copy, and {available / 2**30:.1f} GiB is available")
+                                    f"memory of its own, and {available / 2**30:.1f} GiB is available")
         self.lib = library()
         self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
         tile = self.lib.k2_tile()
@@ -430,11 +433,14 @@ class NativeDecoder:
                                                   for i in range(layers)))
         return self._pools[1]
 
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """hidden [m] or [b, m] -> logits [vocab] or [b, vocab] float32: the final norm and the head."""
+    def logits(self, hidden: np.ndarray, batch: int = 128) -> np.ndarray:
+        """hidden [..., m] -> logits [..., vocab] float32: the final norm and the head, `batch` rows a call (each
+        weight row read once for them)."""
         rows = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.config.hidden_size)
-        self._room_for(len(rows))
         out = np.empty((len(rows), self.config.vocab_size), np.float32)
-        self.lib.k2_logits(ctypes.addressof(self.model), len(rows), _address(rows), _address(out),
-                           _address(self.scratch))
+        for at in range(0, len(rows), batch):
+            part = np.ascontiguousarray(rows[at:at + batch])
+            self._room_for(len(part))
+            self.lib.k2_logits(ctypes.addressof(self.model), len(part), _address(part), _address(out[at:at + batch]),
+                               _address(self.scratch))
         return out.reshape(*np.shape(hidden)[:-1], self.config.vocab_size)

@@ -28,6 +28,7 @@ from .thread_pool import process_threads, session_options, yield_to_native_decod
 DISABLED_OPTIMIZERS = ["MatmulTransposeFusion"]
 LOAD_ERRORS = (ort_state.Fail, ort_state.InvalidArgument, ort_state.InvalidGraph, ort_state.InvalidProtobuf,
                ort_state.NoSuchFile, ort_state.NotImplemented, ort_state.RuntimeException)
+NATIVE_BATCH = 128  # tokens a native step takes at most (a prompt's in turn): bounds its scratch
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
 
 
@@ -102,32 +103,47 @@ class OrtModel:
         self.config = manifest.config
         self.kv_cache = manifest.kv_cache
         artifact_target(manifest.data).check_runnable("onnxruntime", provider)
-        providers = resolve_provider(provider, device_id)
-        options = session_options(threads, host_share)
+        self.providers = resolve_provider(provider, device_id)
+        self.options = session_options(threads, host_share)
         self.threads = process_threads()
-
-        def load(name: str) -> ort.InferenceSession:
-            path = manifest.graph_file(name)
-            try:
-                return ort.InferenceSession(str(path), options, providers=providers,
-                                            disabled_optimizers=DISABLED_OPTIMIZERS)
-            except LOAD_ERRORS as exc:
-                reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-                raise K2Error(f"{path}: ONNX Runtime cannot load this graph ({reason}); re-export the artifact") from None
-
         entries = manifest.graphs["layers"]
-        first_layer = manifest.graphs["layer_range"][0]
         self.layers = layers if layers is not None else range(len(entries))
         self.first, self.last = self.layers.start == 0, self.layers.stop == len(entries)
-        self.embed_session = load("embed") if self.first else None
-        self.layer_sessions = [load(f"layer_{first_layer + i:03d}") for i in self.layers]
-        self.head_session = load("head") if self.last else None
-        loaded = [(manifest.graphs[name], session) for name, session in
-                  (("embed", self.embed_session), ("head", self.head_session)) if session is not None]
-        check_against_graphs(manifest, [*loaded, *zip((entries[i] for i in self.layers), self.layer_sessions)])
+        self.embed_session = self.head_session = None
+        self.layer_sessions: list[ort.InferenceSession | None] = [None] * len(self.layers)
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
         self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
         self.native, self.decode_kernels = self._native_decoder(decode, provider)
+        if self.native is None:  # the graphs run the model: every session loaded, and checked, now
+            self._load_graphs()
+
+    def _session(self, name: str) -> ort.InferenceSession:
+        """The graph `name` loaded into a session, its inputs and outputs checked against the manifest."""
+        path = self.manifest.graph_file(name)
+        try:
+            session = ort.InferenceSession(str(path), self.options, providers=self.providers,
+                                           disabled_optimizers=DISABLED_OPTIMIZERS)
+        except LOAD_ERRORS as exc:
+            reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise K2Error(f"{path}: ONNX Runtime cannot load this graph ({reason}); re-export the artifact") from None
+        entry = (self.manifest.graphs[name] if name in ("embed", "head")
+                 else self.manifest.graphs["layers"][int(name.removeprefix("layer_")) - self.manifest.graphs["layer_range"][0]])
+        check_against_graphs(self.manifest, [(entry, session)])
+        return session
+
+    def _layer_session(self, layer: int) -> ort.InferenceSession:
+        """Layer `layer` of this model's range as a session, loaded at its first use."""
+        if self.layer_sessions[layer] is None:
+            self.layer_sessions[layer] = self._session(f"layer_{self.manifest.graphs['layer_range'][0] + self.layers[layer]:03d}")
+        return self.layer_sessions[layer]
+
+    def _load_graphs(self) -> None:
+        if self.first and self.embed_session is None:
+            self.embed_session = self._session("embed")
+        for layer in range(len(self.layers)):
+            self._layer_session(layer)
+        if self.last and self.head_session is None:
+            self.head_session = self._session("head")
 
     def _native_decoder(self, decode: str, provider: str) -> tuple[NativeDecoder | None, str]:
         if decode not in DECODE_KERNELS:
@@ -143,6 +159,7 @@ class OrtModel:
                 chosen, why = choose(self, native, self.threads)
                 if not chosen:
                     return None, f"onnx (native {native.isa}: {why})"
+                self.layer_sessions[0] = None  # loaded only to be timed: the native step runs the model
             yield_to_native_decode()
             return native, f"native ({native.isa}; {why})"
         except NativeUnavailable as exc:
@@ -152,7 +169,7 @@ class OrtModel:
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_sessions)
+        return len(self.layers)
 
     def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
         """`batch` sequences of up to `max_len` positions over `pages` pages (default: enough for every sequence at
@@ -172,15 +189,8 @@ class OrtModel:
     def run(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, entries: CacheView) -> np.ndarray:
         """As forward, through the entries' view. A stage that does not start at layer 0 takes the previous
         stage's hidden [b, s, m] in place of token ids."""
-        if self.native is not None and inputs.shape[1] == 1 and isinstance(entries, LatentPagesView):
-            started = time.perf_counter()  # decode: one token a row; masked rows leave their pages alone
-            rows = np.flatnonzero(valid[:, 0])
-            hidden = np.zeros((len(inputs), 1, self.config.hidden_size), np.float32)
-            if len(rows):
-                hidden[rows, 0] = self.native.steps(inputs[rows, 0], positions[rows, 0], entries.page_table[rows],
-                                                    entries.pages.arrays)
-            self._timed("native_step", started)
-            return hidden
+        if self.native is not None and isinstance(entries, LatentPagesView):
+            return self._run_native(inputs, positions, valid, entries)
         if self.first:
             started = time.perf_counter()
             hidden = self.embed_session.run(None, {"token_ids": inputs})[0]
@@ -195,11 +205,27 @@ class OrtModel:
             self._timed(f"layer_{self.layers.start + layer:03d}", started)
         return hidden
 
+    def _run_native(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray,
+                    entries: LatentPagesView) -> np.ndarray:
+        """run() through the native step: every valid token (decode's one a row, or a prompt's) one entry of a batch
+        of native steps, NATIVE_BATCH at a time, each with its row's pages (every entry of a layer is stored before
+        its attention, which reads positions up to its own: a prompt's tokens see each other causally). Each
+        token's result is the one it gets alone, whatever else is in the batch and however a prompt is chunked.
+        Masked tokens leave their pages alone (their hidden rows are zeros)."""
+        started = time.perf_counter()
+        rows, cols = np.nonzero(valid)
+        hidden = np.zeros((*inputs.shape, self.config.hidden_size), np.float32)
+        for at in range(0, len(rows), NATIVE_BATCH):
+            r, c = rows[at:at + NATIVE_BATCH], cols[at:at + NATIVE_BATCH]
+            hidden[r, c] = self.native.steps(inputs[r, c], positions[r, c], entries.page_table[r], entries.pages.arrays)
+        self._timed("native_step" if inputs.shape[1] == 1 else "native_prefill", started)
+        return hidden
+
     def run_layer(self, layer: int, hidden: np.ndarray, positions: np.ndarray, entries: CacheView,
                   new_entries: dict) -> np.ndarray:
         """One layer graph (of this model's range) -> hidden_out [b, s, m]; its new cache entries land in
         new_entries (`entries.new_entries`), not yet in their pages."""
-        session = self.layer_sessions[layer]
+        session = self._layer_session(layer)
         binding = session.io_binding()
         binding.bind_cpu_input("hidden", hidden)
         binding.bind_cpu_input("positions", positions)
@@ -215,8 +241,8 @@ class OrtModel:
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [b, s, m] -> logits [b, s, vocab] float32 (on the stage that ends at the last layer)."""
         started = time.perf_counter()
-        if self.native is not None and hidden.shape[1] == 1:
-            logits = self.native.logits(hidden[:, 0])[:, None]
+        if self.native is not None:
+            logits = self.native.logits(hidden)
         else:
             logits = self.head_session.run(None, {"hidden": hidden})[0]
         self._timed("head", started)

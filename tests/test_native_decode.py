@@ -188,8 +188,8 @@ def test_a_batch_step_gives_each_sequence_its_own_step_to_the_bit(tiny_cpu_artif
 
 
 def test_generate_decodes_a_batch_natively_as_each_prompt_alone(tiny_cpu_artifact):
-    """The step loop's batch of several sequences goes through the native step in one call, and each sequence's
-    tokens are the ones it gets alone."""
+    """The step loop's prefill of several prompts and each of its decode steps go through the native step in one
+    call, and each sequence's tokens are the ones it gets alone."""
     model = _native_or_skip(tiny_cpu_artifact)
     batches, steps = [], model.native.steps
     model.native.steps = lambda tokens, *rest: batches.append(len(tokens)) or steps(tokens, *rest)
@@ -197,7 +197,8 @@ def test_generate_decodes_a_batch_natively_as_each_prompt_alone(tiny_cpu_artifac
     prompts = [PROMPT, [9, 8, 7], PROMPT[:5] * 3]
     params = SamplingParams(max_new_tokens=12)
     together = generator.generate(prompts, params)
-    assert max(batches) == 3
+    assert batches[0] == sum(map(len, prompts))  # the prompts' tokens: one batch of native steps
+    assert batches[1:] == [3] * (params.max_new_tokens - 1)  # then each decode step, the three sequences at once
     alone = [generator.generate([prompt], params)[0] for prompt in prompts]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
 
@@ -257,7 +258,7 @@ def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
 def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
     monkeypatch.setattr("k2deploy.runtime.native_decode.available_memory", lambda: 1 << 20)
     model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto")
-    assert model.native is None and "beside ONNX Runtime's copy" in model.decode_kernels
+    assert model.native is None and "into memory of its own" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
 
 
