@@ -46,6 +46,14 @@ ARM_LEVELS = {
     "neon-dotprod": (["-march=armv8.2-a+dotprod"], ["asimd", "asimddp"]),
 }
 _loaded: dict[str, ctypes.CDLL] = {}
+# what decode_step.c's k2_contract(i) gives, in order: its constants and the sizes of the structs it takes
+CONTRACT = ("page", "tile", "max_top_k", "max_groups", "max_experts", "max_threads", "sizeof_lin", "sizeof_dims",
+            "sizeof_layer", "sizeof_model", "sizeof_pages")
+
+
+def contract(lib: ctypes.CDLL) -> dict[str, int]:
+    """The library's constants and struct sizes by name (CONTRACT)."""
+    return {name: int(lib.k2_contract(i)) for i, name in enumerate(CONTRACT)}
 
 
 class NativeUnavailable(Exception):
@@ -108,6 +116,24 @@ def _compiler() -> str:
     return compiler
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _seal(library_path: Path) -> Path:
+    """The file beside a build that holds its sha256, written by the build that made it."""
+    return library_path.with_name(library_path.name + ".sha256")
+
+
+def _intact(library_path: Path) -> bool:
+    """Whether a cached build is the one its build wrote: a truncated, replaced or damaged file (or one without its
+    seal) is built again, never loaded (loading a truncated library can kill the process)."""
+    try:
+        return library_path.is_file() and _seal(library_path).read_text().strip() == _digest(library_path)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def build(isa: str = "native") -> Path:
     """The library for this host at level `isa` ("native" or one of `levels()`), compiled first if its cache holds
     none -> its path."""
@@ -120,7 +146,7 @@ def build(isa: str = "native") -> Path:
     sources = [SOURCE.read_text(), *(header.read_text() for header in HEADERS)]
     key = hashlib.sha256("\0".join([*sources, version, " ".join(FLAGS + march), _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"decode_step-{isa}-{key[:16]}.so"
-    if target.exists():
+    if _intact(target):
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -131,7 +157,10 @@ def build(isa: str = "native") -> Path:
             if done.returncode != 0:
                 reason = (done.stderr.strip().splitlines() or ["no message"])[0][:300]
                 raise NativeUnavailable(f"{compiler} could not build {SOURCE.name}: {reason}")
+            seal = Path(scratch) / (target.name + ".sha256")
+            seal.write_text(_digest(built))
             os.replace(built, target)
+            os.replace(seal, _seal(target))
     except OSError as exc:
         raise NativeUnavailable(f"cannot write the native build under {target.parent} ({exc}); set "
                                 f"K2DEPLOY_NATIVE_CACHE to a writable folder") from None
@@ -149,20 +178,18 @@ def library(isa: str | None = None) -> ctypes.CDLL:
         except OSError as exc:
             raise NativeUnavailable(f"the native build does not load ({exc})") from None
         pointer, number = ctypes.c_void_p, ctypes.c_int
-        lib.k2_pool_start.argtypes = [number, pointer]
-        lib.k2_pool_start.restype = number
-        lib.k2_scratch_floats.argtypes = [pointer, number, number]
-        lib.k2_scratch_floats.restype = ctypes.c_long
-        lib.k2_decode_step.argtypes = [pointer, number, pointer, pointer, pointer, number, pointer, pointer, pointer]
-        lib.k2_decode_step.restype = number
-        lib.k2_decode_layers.argtypes = [pointer, number, number, number, pointer, pointer, number, pointer, pointer,
-                                         pointer]
-        lib.k2_decode_layers.restype = number
-        lib.k2_logits.argtypes = [pointer, number, pointer, pointer, pointer]
-        lib.k2_logits.restype = None
-        lib.k2_tile.argtypes = []
-        lib.k2_tile.restype = number
-        lib.k2_isa.argtypes = []
-        lib.k2_isa.restype = ctypes.c_char_p
+        signatures = {"k2_pool_start": ([number, pointer], number), "k2_scratch_floats": ([pointer, number, number], ctypes.c_long),
+                      "k2_decode_step": ([pointer, number, pointer, pointer, pointer, number, pointer, pointer, pointer], number),
+                      "k2_decode_layers": ([pointer, number, number, number, pointer, pointer, number, pointer, pointer,
+                                            pointer], number),
+                      "k2_logits": ([pointer, number, pointer, pointer, pointer], None),
+                      "k2_contract": ([number], ctypes.c_long), "k2_isa": ([], ctypes.c_char_p)}
+        for name, (arguments, result) in signatures.items():
+            try:
+                function = getattr(lib, name)
+            except AttributeError:
+                raise NativeUnavailable(f"the native build {lib._name} lacks {name}: it is not this project's build; "
+                                        f"delete it") from None
+            function.argtypes, function.restype = arguments, result
         _loaded[isa] = lib
     return _loaded[isa]

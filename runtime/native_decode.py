@@ -43,7 +43,7 @@ from ..core.errors import K2Error
 from ..core.host_memory import available_memory
 from ..core.manifest import Manifest
 from ..core.onnx_wire import external_initializers
-from .native_build import NativeUnavailable, library
+from .native_build import NativeUnavailable, contract, library
 from .thread_pool import core_cpus
 
 
@@ -102,21 +102,6 @@ def _huge(nbytes: int) -> np.ndarray:
     return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
 
 
-def _read(file: Path) -> np.ndarray:
-    """A weights file read whole into memory of its own (`_huge`)."""
-    size = file.stat().st_size
-    data = _huge(size)
-    view, done = memoryview(data), 0
-    with open(file, "rb") as handle:
-        while done < size:
-            count = handle.readinto(view[done:size])
-            if not count:
-                raise K2Error(f"{file}: ended after {done} of {size} bytes while it was read; re-export the artifact")
-            done += count
-    view.release()
-    return data
-
-
 def _tile_rows(codes: np.ndarray, tile: int) -> np.ndarray:
     """codes [n, k] -> [tiles, k / 4, tile, 4]: each tile's rows side by side, four inputs at a time, n padded to
     whole tiles with zero rows (their outputs are never read)."""
@@ -135,13 +120,14 @@ def _nibbles(packed: np.ndarray, tile: int) -> np.ndarray:
     return laid[:, 0::2] | (laid[:, 1::2] << 4)
 
 
-def tiled(codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def tiled(codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8,
+          done=lambda source: None) -> tuple[np.ndarray, np.ndarray]:
     """A matrix (or a stack of them) as decode_step.c's K2Lin takes it: codes [..., n, k] uint8 (bits 8) or [..., n,
     k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] -> codes [..., tiles, k / 4, tile, 4]
     (bits 8: each tile's rows side by side, four inputs at a time, so that one int8 dot instruction takes 16 rows
     and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], `_nibbles`) and scales [..., tiles, k / block,
     tile], in memory of its own (`_huge`), one matrix of a stack at a time (nothing of the stack's size is copied
-    on the way)."""
+    on the way); done(source) is told each matrix's codes and scales once they are laid out."""
     *lead, n, width = codes.shape
     blocks = scales.shape[-1]
     count = -(-n // tile)
@@ -155,27 +141,32 @@ def tiled(codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8) -> tu
         laid_codes[i] = laid.reshape(-1)
         rows = np.pad(flat_scales[i], [(0, count * tile - n), (0, 0)])
         laid_scales[i] = rows.reshape(count, tile, blocks).swapaxes(-2, -1)
+        done(flat_codes[i])
+        done(flat_scales[i])
     return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
 
 
-def _mapped(file: Path) -> np.ndarray:
-    """A weights file mapped read-only from the page cache, each page read when first touched (the embedding: a
-    step reads one row of it)."""
+def _mapped(file: Path) -> tuple[mmap.mmap, np.ndarray]:
+    """A weights file mapped read-only from the page cache, each page read when first touched -> the mapping and
+    its bytes."""
     with open(file, "rb") as handle:
-        return np.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
+        memory = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else None
+    if memory is None:
+        return None, np.zeros(0, np.uint8)
+    return memory, np.frombuffer(memory, dtype=np.uint8)
 
 
 class GraphWeights:
-    """One graph's external initializers as arrays over its .data file (read into memory, or mapped), checked against the shapes
-    the native step reads them with."""
+    """One graph's external initializers as arrays over its .data file (mapped), checked against the shapes the
+    native step reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each
+    weight are given back as soon as it is laid out, so a process never holds a layer twice."""
 
-    def __init__(self, path: Path, whole: bool = True, tile: int = 64):
-        """whole: the graph's data file is read into memory (every step reads all of it), else mapped; tile: the
-        rows of a weight tile (decode_step.c's TILE)."""
-        self.path, self.whole, self.tile = path, whole, tile
+    def __init__(self, path: Path, tile: int = 64):
+        """tile: the rows of a weight tile (decode_step.c's TILE)."""
+        self.path, self.tile = path, tile
         self.tensors = external_initializers(path)
-        self.maps: dict[str, np.ndarray] = {}
-        self.held: list[np.ndarray] = []  # arrays made here (widened, transposed), kept alive with the model
+        self.maps: dict[str, tuple[mmap.mmap | None, np.ndarray]] = {}
+        self.held: list[np.ndarray] = []  # arrays made here (widened, tiled), kept alive with the model
 
     def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
         spec = self.tensors.get(name)
@@ -186,8 +177,8 @@ class GraphWeights:
         if file.parent != self.path.parent.resolve():
             raise K2Error(f"{self.path}: {name}'s data lies outside the artifact ({spec.location}); re-export it")
         if spec.location not in self.maps:
-            self.maps[spec.location] = _read(file) if self.whole else _mapped(file)
-        data = self.maps[spec.location]
+            self.maps[spec.location] = _mapped(file)
+        data = self.maps[spec.location][1]
         dtype = np.dtype(TYPES[spec.data_type])
         length = int(np.prod(shape)) * dtype.itemsize
         if spec.offset < 0 or spec.length not in (-1, length) or spec.offset + length > len(data):
@@ -218,14 +209,23 @@ class GraphWeights:
         return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
     def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
-        """`tiled`, kept alive with the model."""
-        codes, scales = tiled(codes, scales, self.tile, bits)
+        """`tiled`, kept alive with the model; the file's pages under each matrix given back once it is laid out."""
+        codes, scales = tiled(codes, scales, self.tile, bits, self._give_back)
         return self.keep(codes), self.keep(scales)
 
+    def _give_back(self, source: np.ndarray) -> None:
+        """The mapped file pages under `source` (a view of one of this graph's files) leave this process's memory
+        (they stay in the page cache): read once, laid out, not read again."""
+        for memory, data in self.maps.values():
+            start = source.ctypes.data - data.ctypes.data
+            if memory is not None and 0 <= start < len(data) and hasattr(mmap, "MADV_DONTNEED"):
+                first = start // mmap.PAGESIZE * mmap.PAGESIZE
+                memory.madvise(mmap.MADV_DONTNEED, first, min(start + source.nbytes, len(data)) - first)
+                return
+
     def release(self) -> None:
-        """Lets go of the data files read whole: everything the step reads from them has been copied out."""
-        if self.whole:
-            self.maps.clear()
+        """Lets go of the data files: everything the step reads from them has been copied out."""
+        self.maps.clear()
 
 
 class NativeDecoder:
@@ -239,7 +239,18 @@ class NativeDecoder:
             raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
                                     f"{cache}")
         c = self.config = manifest.config
-        limits = {"num_experts_per_tok": 64, "n_group": 64, "topk_group": 64, "n_routed_experts": 4096}
+        self.lib = library()
+        self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
+        built = contract(self.lib)
+        ours = {"page": PAGE_SIZE, "sizeof_lin": ctypes.sizeof(Lin), "sizeof_dims": ctypes.sizeof(Dims),
+                "sizeof_layer": ctypes.sizeof(Layer), "sizeof_model": ctypes.sizeof(Model),
+                "sizeof_pages": ctypes.sizeof(Pages)}
+        differ = [f"{name} {built[name]} (here {value})" for name, value in ours.items() if built[name] != value]
+        if differ:
+            raise NativeUnavailable(f"its build does not match this runtime: {', '.join(differ)}; delete "
+                                    f"{Path(self.lib._name).parent} to rebuild it")
+        limits = {"num_experts_per_tok": built["max_top_k"], "n_group": built["max_groups"],
+                  "topk_group": built["max_groups"], "n_routed_experts": built["max_experts"]}
         over = [f"{name} {getattr(c, name)} (at most {most})" for name, most in limits.items() if getattr(c, name) > most]
         if over:
             raise NativeUnavailable(f"its routing takes at most the sizes it was built for: {', '.join(over)}")
@@ -252,16 +263,14 @@ class NativeDecoder:
         if available is not None and self.held_bytes > available:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory of its own, and {available / 2**30:.1f} GiB is available")
-        self.lib = library()
-        self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
-        tile = self.lib.k2_tile()
+        tile = built["tile"]
         self.graphs = [GraphWeights(manifest.graph_file(name), tile=tile) for name in names[:-1]]
         layers = []
         for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
             layers.append(self._layer(index, g))
             g.release()
         self.layers = (Layer * c.num_hidden_layers)(*layers)
-        embed = GraphWeights(manifest.graph_file("embed"), whole=False)
+        embed = GraphWeights(manifest.graph_file("embed"))
         head = GraphWeights(manifest.graph_file("head"), tile=tile)
         self.graphs += [embed, head]
         table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
@@ -270,10 +279,10 @@ class NativeDecoder:
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         head.release()
-        self.max_len, self.threads_asked, self.batch = max_len, threads, 0
+        self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
-        self.threads = self.lib.k2_pool_start(threads, _address(self.cpus(threads)))  # last: nothing left to refuse
+        self.threads = self.lib.k2_pool_start(self.threads_asked, _address(self.cpus(self.threads_asked)))  # last: nothing left to refuse
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
 
     def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:

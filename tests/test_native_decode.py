@@ -1,7 +1,7 @@
 """The native decode step (runtime/native_decode.py): the same token's logits and cache entry as the graphs, the
 choice between them (auto, native, onnx) and its reasons, and its build."""
 
-import ctypes
+import _ctypes
 import dataclasses
 import json
 import subprocess
@@ -18,9 +18,11 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime import decode_choice, native_build
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.native_build import NativeUnavailable
-from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder, Pages, _address
+from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder
 from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.requests import GenerationRequest, TokenLogprob
 from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.step_loop import StepLoop
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 STEPS = 48
@@ -270,6 +272,14 @@ def test_a_model_past_the_steps_routing_limits_keeps_to_the_graphs(tiny_cpu_arti
         NativeDecoder(manifest, 1, 64)
 
 
+def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_artifact, monkeypatch):
+    """The library's constants and struct sizes (k2_contract) are checked against the Python side's at load."""
+    _native_or_skip(tiny_cpu_artifact)
+    monkeypatch.setattr("k2deploy.runtime.native_decode.PAGE_SIZE", 32)
+    with pytest.raises(NativeUnavailable, match="does not match this runtime: page 64 \\(here 32\\)"):
+        NativeDecoder(load_manifest(tiny_cpu_artifact), 1, 64)
+
+
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):
     weights = GraphWeights(load_manifest(tiny_cpu_artifact).graph_file("layer_000"))
     with pytest.raises(NativeUnavailable, match="input_layernorm.weight is"):
@@ -288,8 +298,12 @@ def test_the_build_says_what_is_missing_and_leaves_only_finished_libraries(tmp_p
         built = native_build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"no C compiler here: {exc}")
-    assert [p.name for p in (tmp_path / "cache").iterdir()] == [built.name] and built.suffix == ".so"
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [built.name, built.name + ".sha256"]
     assert native_build.build() == built  # a second call takes the cached build
+    whole = built.read_bytes()
+    for damage in (whole[:len(whole) // 3], b"\x7fELF" + bytes(1000), Path(_ctypes.__file__).read_bytes()):
+        built.write_bytes(damage)  # truncated, random, another library: built again, never loaded
+        assert native_build.build() == built and built.read_bytes() == whole
 
 
 def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_artifact, tiny_artifacts):
@@ -305,3 +319,50 @@ def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_a
     refused = run_cli("generate", tiny_artifacts["fp8"], "--prompt-ids", "1,2", "--decode", "native")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "native decode step cannot run" in refused.stderr
+
+
+def _greedy(model: OrtModel, prompts: list[list[int]], params: SamplingParams) -> list[list[TokenLogprob]]:
+    """The prompts as concurrent requests of one step loop -> each one's sampled tokens with their logprobs."""
+    loop = StepLoop(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, max_queue=0)
+    got: list[list[TokenLogprob]] = [[] for _ in prompts]
+    for row, prompt in enumerate(prompts):
+        loop.submit(GenerationRequest(list(prompt), params, (), None, lambda update, row=row: got[row].extend(update.logprobs)))
+    loop.run_until_done()
+    return got
+
+
+def test_sixteen_concurrent_requests_get_their_solo_tokens_and_logprobs_to_the_bit(tiny_cpu_artifact):
+    """Batch invariance on the cpu target: where the native step runs the model, a request's tokens and logprobs
+    are the ones it gets alone, whatever else shares its prefill and decode steps (each token's products, routing,
+    experts and attention are its own, in the same order)."""
+    model = _native_or_skip(tiny_cpu_artifact)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 1000, int(n)).tolist() for n in rng.integers(3, 90, 16)]
+    params = SamplingParams(max_new_tokens=12, logprobs=2)
+    together = _greedy(model, prompts, params)
+    alone = [_greedy(model, [prompt], params)[0] for prompt in prompts]
+    assert all(len(tokens) == params.max_new_tokens for tokens in together)
+    assert together == alone
+
+
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_artifact, chunk):
+    """A 300-token prompt through the native step whole (up to 512 tokens a step), or 64 or 1 token a step: the
+    same cache entries and the same logits at every position, to the bit."""
+    native = _native_or_skip(tiny_cpu_artifact).native
+    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="native")
+    prompt = np.random.default_rng(5).integers(2, 1000, 300)
+    table = np.arange(5)
+
+    def prefill(size: int) -> tuple[np.ndarray, dict]:
+        store = model.new_store(5)
+        hidden = np.concatenate([native.steps(prompt[at:at + size], np.arange(at, min(at + size, len(prompt))),
+                                              np.repeat(table[None], len(prompt[at:at + size]), 0), store.arrays)
+                                 for at in range(0, len(prompt), size)])
+        return native.logits(hidden), store.arrays
+
+    whole, whole_cache = prefill(512)
+    chunked, chunked_cache = prefill(chunk)
+    assert np.array_equal(whole, chunked)
+    for name in whole_cache:
+        assert np.array_equal(whole_cache[name], chunked_cache[name]), name

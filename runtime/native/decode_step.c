@@ -1028,8 +1028,14 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
     return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
 }
 
-/* the rows of a weight tile (K2Lin), for runtime/native_decode.py to lay the weights out with */
-int k2_tile(void) { return TILE; }
+/* the library's side of its contract with runtime/native_decode.py, read there at load (native_build.CONTRACT
+   names them in this order): its constants and the sizes of the structs it takes; a Python side whose layout or
+   limits differ refuses to run it */
+long k2_contract(int what) {
+    const long values[] = {PAGE, TILE, MAX_TOP_K, MAX_GROUPS, MAX_EXPERTS, MAX_THREADS, sizeof(K2Lin), sizeof(K2Dims),
+                           sizeof(K2Layer), sizeof(K2Model), sizeof(K2Pages)};
+    return what >= 0 && what < (int)(sizeof values / sizeof values[0]) ? values[what] : -1;
+}
 
 /* the instruction set the products were built for (runtime/native/isa.h) */
 const char *k2_isa(void) { return K2_ISA; }
