@@ -27,7 +27,7 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
 from k2deploy.runtime.constrained import Grammars, json_grammar
 from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.decode_choice import load_model
 from k2deploy.runtime.sampling import SamplingParams, sample
 
 SCHEMA = {"type": "object", "properties": {
@@ -75,7 +75,7 @@ def main() -> None:
     tokenizer = load_tokenizer(Path(args.artifact) / "tokenizer", manifest.config.vocab_size)
     if tokenizer is None:
         sys.exit(f"{args.artifact} has no tokenizer: a grammar needs the vocabulary's text")
-    model = OrtModel(manifest, threads=args.threads)
+    model = load_model(manifest, threads=args.threads)
     generator, vocab = Generator(model), manifest.config.vocab_size
     grammars = Grammars(tokenizer, vocab)
     started = time.perf_counter()

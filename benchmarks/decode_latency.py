@@ -12,7 +12,7 @@ tighter medians, or pass --layers 2 to halve the model.)
 
 Part 1, the whole model at batch 1, for each context length T (default 128 and 2048):
   ours       the exported artifact (ONNX Runtime, CPU, FP8 latent cache) through
-             k2deploy.runtime (OrtModel + Generator), the way the server runs it;
+             k2deploy.runtime (load_model + Generator), the way the server runs it;
   reference  the eager float32 PyTorch reference (k2deploy.export.reference, naive MLA,
              MoE that runs every expert densely, head over every prompt position at prefill);
   hf         Hugging Face transformers' DeepseekV3ForCausalLM (float32, eager attention and
@@ -164,9 +164,9 @@ def _serve_ours(conn, artifact: str, threads: int) -> None:
     count); each request is timed here, so the pipe's latency is not in the figures."""
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.generator import Generator
-    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.decode_choice import load_model
 
-    model = OrtModel(load_manifest(artifact), threads=threads)
+    model = load_model(load_manifest(artifact), threads=threads)
     gen = Generator(model)
     cache, context = None, 0
     conn.send(model.threads)
@@ -192,7 +192,7 @@ def _serve_ours(conn, artifact: str, threads: int) -> None:
 
 
 class OursBackend:
-    """The exported artifact (OrtModel + Generator, the way the server runs it) in a child process of its own, on
+    """The exported artifact (load_model + Generator, the way the server runs it) in a child process of its own, on
     an intra-op pool of `threads`: a process has one pool, so each thread count runs in its own process."""
 
     def __init__(self, artifact: Path, threads: int, name: str = "ours"):

@@ -76,12 +76,12 @@ def agreement(checkpoint: Path, artifacts: dict[str, Path], steps: int) -> dict:
     from k2deploy.export import parity
     from k2deploy.export.weights import load_transformer
     from k2deploy.runtime.generator import Generator
-    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.decode_choice import load_model
 
     reference = load_transformer(Checkpoint.open(checkpoint))
     prompt = list(range(5, 133))
     with torch.no_grad():
-        return {name: parity.teacher_forced(reference, Generator(OrtModel(load_manifest(path))), prompt, steps)
+        return {name: parity.teacher_forced(reference, Generator(load_model(load_manifest(path))), prompt, steps)
                 for name, path in artifacts.items()}
 
 

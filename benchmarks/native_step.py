@@ -42,11 +42,11 @@ import numpy as np
 from k2deploy.core.cache_format import PAGE_SIZE
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.kv_cache import LatentPages
-from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.decode_choice import load_model
 
 artifact, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 contexts = [int(t) for t in sys.argv[4].split(",")]
-model = OrtModel(load_manifest(artifact), threads=threads, decode="native")
+model = load_model(load_manifest(artifact), threads=threads, decode="native")
 native, vocab = model.native, model.config.vocab_size
 result = {"isa": native.isa, "step_ms": {}}
 pages = max(contexts) // PAGE_SIZE + 1

@@ -29,7 +29,7 @@ from k2deploy.export import parity, reference
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.weights import load_transformer
 from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.decode_choice import load_model
 from k2deploy.runtime.thread_pool import process_threads
 
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401], [1, 2, 3],
@@ -80,7 +80,7 @@ def main() -> None:
             artifact = args.out / preset / cache
             export_artifact(ExportOptions(str(checkpoint), kv_cache=None if cache == "cpu" else cache, target=target),
                             artifact, force=True)
-            row = figures(model, Generator(OrtModel(load_manifest(artifact))), preset == "tiny", cache)
+            row = figures(model, Generator(load_model(load_manifest(artifact))), preset == "tiny", cache)
             results[f"{preset}/{cache}"] = {**row, "seconds": round(time.perf_counter() - started, 1)}
             if not args.json:
                 print(f"{preset}/{cache}", json.dumps(results[f"{preset}/{cache}"]), flush=True)

@@ -21,7 +21,7 @@ import statistics
 import numpy as np
 
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.decode_choice import load_model
 from k2deploy.runtime.requests import GenerationRequest
 from k2deploy.runtime.sampling import SamplingParams
 from k2deploy.runtime.step_loop import StepLoop
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="the process's intra-op pool (default: its cores)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    model = OrtModel(load_manifest(args.artifact), threads=args.threads)
+    model = load_model(load_manifest(args.artifact), threads=args.threads)
     rng = np.random.default_rng(0)
     vocab = model.config.vocab_size
     system = rng.integers(3, vocab, args.system).tolist()

@@ -53,7 +53,7 @@ import json, statistics, sys, time
 import numpy as np
 import onnxruntime as ort
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime import ort_backend, thread_pool
+from k2deploy.runtime import decode_choice, ort_backend, thread_pool
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.sampling import SamplingParams
 
@@ -69,7 +69,8 @@ if not config.startswith("one pool"):  # the sessions get pools of their own ins
         return options
     ort_backend.session_options = per_session
     thread_pool._pool_threads = threads  # what the model reports; no global pool is made
-model = ort_backend.OrtModel(load_manifest(artifact), threads=threads, decode="native" if config == "one pool" else "onnx")
+model = decode_choice.load_model(load_manifest(artifact), threads=threads,
+                                 decode="native" if config == "one pool" else "onnx")
 generator = Generator(model)
 prompt = [(i * 37) % 1000 + 3 for i in range(prompt_len)]
 generator.generate([prompt], SamplingParams(max_new_tokens=4))  # warm-up: arenas, kernels

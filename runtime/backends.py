@@ -23,9 +23,9 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
         tokens = cache_tokens or manifest.config.max_position_embeddings
         return load_placed(manifest, placement, ray, provider, threads, tokens)
     if name == "onnxruntime":
-        from .ort_backend import OrtModel
+        from .decode_choice import load_model
 
-        return OrtModel(manifest, provider=provider, threads=threads, decode=decode)
+        return load_model(manifest, provider=provider, threads=threads, decode=decode)
     if name == "tensorrt":
         artifact_target(manifest.data).check_runnable("tensorrt")
         require_tensorrt()

@@ -13,7 +13,7 @@ import numpy as np
 from onnxruntime import OrtValue
 
 from ..core.cache_format import PAGE_SIZE, CacheFormat
-from .cache import CacheView, EntryStore
+from .cache import Cache, CacheView, EntryStore, pages_for
 
 
 class LatentPages(EntryStore):
@@ -69,3 +69,22 @@ class LatentPagesView(CacheView):
         pages, offsets = self.page_table[rows, at // PAGE_SIZE], at % PAGE_SIZE
         for name, array in self.pages.arrays.items():
             array[layer, pages, offsets] = self.entries[name][rows, steps]
+
+
+class HostCache:
+    """new_cache and new_store of a model whose cache lives in host memory (ONNX Runtime's graphs, the native
+    step); the model has kv_cache, num_layers and salt (its artifact's digest, which keys the prefix hashes)."""
+
+    kv_cache: dict
+    num_layers: int
+    salt: bytes
+
+    def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
+        """`batch` sequences of up to `max_len` positions over `pages` pages (default: enough for every sequence at
+        its longest)."""
+        pages = pages or batch * pages_for(max_len)
+        return Cache(batch, max_len, pages, self.new_store(pages), prefix_cache, self.salt)
+
+    def new_store(self, pages: int) -> LatentPages:
+        """The entries of `pages` pages for this model's layers, in host memory."""
+        return LatentPages(self.kv_cache, self.num_layers, pages)

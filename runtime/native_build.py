@@ -24,7 +24,9 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native") / "decode_step.c"
 HEADERS = [SOURCE.with_name("isa.h")]
-FLAGS = ["-O3", "-fno-math-errno", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
+# -ffp-contract=off: every float step rounds as written, so a product's result is the same whichever of its forms
+# (one input, or several at once) computes it
+FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
 ISA_VARIABLE = "K2DEPLOY_NATIVE_ISA"
 
 # level -> (its -march flags, the /proc/cpuinfo flags a CPU needs to run it); "native" is whatever this host has

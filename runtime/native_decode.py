@@ -48,7 +48,7 @@ from .thread_pool import core_cpus
 
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-DECODE_KERNELS = ("auto", "native", "onnx")  # how OrtModel runs a decode step
+DECODE_KERNELS = ("auto", "native", "onnx")  # --decode: what runs a model on the cpu (runtime/decode_choice.py)
 TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
 
 

@@ -23,7 +23,7 @@ from k2deploy.runtime.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
 from k2deploy.runtime.generator import Generator  # noqa: E402
-from k2deploy.runtime.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.decode_choice import load_model  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 TEACHER_FORCED_STEPS = 256
@@ -213,7 +213,7 @@ def _agreement(checkpoint, artifacts: dict) -> dict:
     results = {}
     with torch.no_grad():
         for name, path in artifacts.items():
-            generator = Generator(OrtModel(load_manifest(path)))
+            generator = Generator(load_model(load_manifest(path)))
             results[name] = {"score": parity.score_difference(reference, generator, PROMPT),
                              **parity.teacher_forced(reference, generator, PROMPT, TEACHER_FORCED_STEPS)}
     return results

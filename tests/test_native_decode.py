@@ -19,6 +19,8 @@ from k2deploy.runtime import decode_choice, native_build
 from k2deploy.runtime.generator import Generator
 from k2deploy.runtime.native_build import NativeUnavailable
 from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder
+from k2deploy.runtime.decode_choice import load_model
+from k2deploy.runtime.native_model import NativeModel
 from k2deploy.runtime.ort_backend import OrtModel
 from k2deploy.runtime.requests import GenerationRequest, TokenLogprob
 from k2deploy.runtime.sampling import SamplingParams
@@ -28,17 +30,17 @@ PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 STEPS = 48
 
 
-def _native_or_skip(artifact) -> OrtModel:
+def _native_or_skip(artifact) -> NativeModel:
     """The artifact's model decoding through the native step: a failure where it cannot run but a C compiler
     exists (the artifact then does not fit the step), a skip only without a compiler."""
     try:
         native_build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"the native decode step cannot be built here: {exc}")
-    return OrtModel(load_manifest(artifact), decode="native")
+    return load_model(load_manifest(artifact), decode="native")
 
 
-def _teacher_forced(model: OrtModel, tokens: list[int]) -> tuple[np.ndarray, dict]:
+def _teacher_forced(model, tokens: list[int]) -> tuple[np.ndarray, dict]:
     """Logits after the prompt and after each of `tokens` fed in turn [len(tokens) + 1, vocab], and the cache's
     pools."""
     generator = Generator(model)
@@ -56,8 +58,8 @@ def test_native_steps_give_the_graphs_logits_and_cache_entries(tiny_cpu_artifact
     near-tied expert flips now and then and the difference grows through the layers. A wrong scale, expert or
     cache row gives chance agreement."""
     native = _native_or_skip(tiny_cpu_artifact)
-    graphs = OrtModel(load_manifest(tiny_cpu_artifact), decode="onnx")
-    assert native.decode_kernels == f"native ({native.native.isa}; asked for)" and graphs.native is None
+    graphs = OrtModel(load_manifest(tiny_cpu_artifact))
+    assert native.decode_kernels == f"native ({native.native.isa}; asked for)" and not isinstance(graphs, NativeModel)
     continuation = [int(t) for t in Generator(graphs).generate([PROMPT], SamplingParams(max_new_tokens=STEPS))[0].token_ids]
     expected, expected_cache = _teacher_forced(graphs, continuation)
     got, got_cache = _teacher_forced(native, continuation)
@@ -75,7 +77,7 @@ def layer_by_layer(artifact) -> list[tuple[float, int]]:
     layer graph and the native layer -> per layer (largest |native - graph| of the output over the largest change
     the layer made to the hidden state, largest difference of the new entry's latent codes); also asserts that the
     new entry's scale is the graph's."""
-    graphs = OrtModel(load_manifest(artifact), decode="onnx")
+    graphs = OrtModel(load_manifest(artifact))
     native = _native_or_skip(artifact).native
     generator = Generator(graphs)
     cache = graphs.new_cache(1, 64)
@@ -142,9 +144,9 @@ _LOGITS_HASH = """
 import hashlib, sys
 import numpy as np
 from k2deploy.core.manifest import load_manifest
+from k2deploy.runtime.decode_choice import load_model
 from k2deploy.runtime.kv_cache import LatentPages
-from k2deploy.runtime.ort_backend import OrtModel
-model = OrtModel(load_manifest(sys.argv[1]), threads=int(sys.argv[2]), decode="native")
+model = load_model(load_manifest(sys.argv[1]), threads=int(sys.argv[2]), decode="native")
 store, table, digest = LatentPages(model.kv_cache, model.num_layers, 3), np.arange(3), hashlib.sha256()
 for position in range(156):
     hidden = model.native.step((position * 37) % 500 + 3, position, table, store.arrays)
@@ -172,7 +174,7 @@ def test_a_batch_step_gives_each_sequence_its_own_step_to_the_bit(tiny_cpu_artif
     """Several sequences in one native step (each weight read once for all): every sequence's hidden state and
     new cache entries are those of its own step alone, to the bit, whatever their lengths."""
     native = _native_or_skip(tiny_cpu_artifact).native
-    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="native")
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="native")
     store = model.new_store(6)
     tables = np.array([[0, 1], [2, 3], [4, 5]])
     lengths = [70, 5, 64]  # past a page, inside one, a page exactly
@@ -215,23 +217,24 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
     figures = {"faster": (0.5, 1.0), "slower": (2.0, 1.0)}
     monkeypatch.setattr(decode_choice, "time_first_layer", lambda model, native: timed.append(1) or figures[case])
     case = "slower"
-    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
-    assert model.native is None and model.decode_kernels.startswith("onnx (native ")
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert not isinstance(model, NativeModel) and model.decode_kernels.startswith("onnx (native ")
     assert "slower than the graphs here" in model.decode_kernels and "2.000 ms" in model.decode_kernels
     assert timed == [1]
-    kept = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
-    assert kept.native is None and "kept from an earlier run" in kept.decode_kernels and timed == [1]
+    kept = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert not isinstance(kept, NativeModel) and "kept from an earlier run" in kept.decode_kernels and timed == [1]
     (tmp_path / decode_choice.CHOICES).write_text('{"' + '": {"native_ms": -1}}')  # damaged: measured again
     case = "faster"
-    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
-    assert model.native is not None and timed == [1, 1]
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert isinstance(model, NativeModel) and timed == [1, 1]
     assert model.decode_kernels.startswith(f"native ({model.native.isa}; layer 0 measured 0.500 ms")
     assert json.loads((tmp_path / decode_choice.CHOICES).read_text())  # rewritten whole
 
 
 def test_the_first_layer_is_timed_both_ways(tiny_cpu_artifact):
     model = _native_or_skip(tiny_cpu_artifact)
-    native_ms, graphs_ms = decode_choice.time_first_layer(model, model.native)
+    native_ms, graphs_ms = decode_choice.time_first_layer(OrtModel(load_manifest(tiny_cpu_artifact), layers=range(1)),
+                                                          model.native)
     assert native_ms > 0 and graphs_ms > 0
 
 
@@ -248,19 +251,19 @@ def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifac
 
 
 def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
-    model = OrtModel(load_manifest(tiny_artifacts["fp8"]), decode="auto")
-    assert model.native is None
+    model = load_model(load_manifest(tiny_artifacts["fp8"]), decode="auto")
+    assert not isinstance(model, NativeModel)
     assert model.decode_kernels.startswith("onnx (native: ") and "int8 cache" in model.decode_kernels
     with pytest.raises(K2Error, match="native decode step cannot run.*use --decode onnx"):
-        OrtModel(load_manifest(tiny_artifacts["fp8"]), decode="native")
+        load_model(load_manifest(tiny_artifacts["fp8"]), decode="native")
     with pytest.raises(K2Error, match="unknown decode kernels"):
-        OrtModel(load_manifest(tiny_artifacts["fp8"]), decode="fast")
+        load_model(load_manifest(tiny_artifacts["fp8"]), decode="fast")
 
 
 def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
     monkeypatch.setattr("k2deploy.runtime.native_decode.available_memory", lambda: 1 << 20)
-    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="auto")
-    assert model.native is None and "into memory of its own" in model.decode_kernels
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="auto")
+    assert not isinstance(model, NativeModel) and "into memory of its own" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
 
 
@@ -321,7 +324,7 @@ def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_a
     assert "native decode step cannot run" in refused.stderr
 
 
-def _greedy(model: OrtModel, prompts: list[list[int]], params: SamplingParams) -> list[list[TokenLogprob]]:
+def _greedy(model, prompts: list[list[int]], params: SamplingParams) -> list[list[TokenLogprob]]:
     """The prompts as concurrent requests of one step loop -> each one's sampled tokens with their logprobs."""
     loop = StepLoop(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, max_queue=0)
     got: list[list[TokenLogprob]] = [[] for _ in prompts]
@@ -350,7 +353,7 @@ def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_arti
     """A 300-token prompt through the native step whole (up to 512 tokens a step), or 64 or 1 token a step: the
     same cache entries and the same logits at every position, to the bit."""
     native = _native_or_skip(tiny_cpu_artifact).native
-    model = OrtModel(load_manifest(tiny_cpu_artifact), decode="native")
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="native")
     prompt = np.random.default_rng(5).integers(2, 1000, 300)
     table = np.arange(5)
 

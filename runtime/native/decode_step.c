@@ -266,6 +266,38 @@ static void tile_dot(const uint8_t *w, const float *ws, const Quant *a, float *y
     for (int v = 0; v < TILE_VECTORS; v++) store_f32(y + LANES * v, acc[v]);
 }
 
+#define INPUT_BLOCK (VBYTES == 64 ? 4 : 2)  /* inputs tile_dot_inputs() takes at once */
+
+/* tile_dot for INPUT_BLOCK inputs at once, y[i] [TILE] input i's: each weight vector is loaded once for all of
+   them (a batch's or a prompt's tokens), and each input's sums and float steps are exactly tile_dot's */
+static void tile_dot_inputs(const uint8_t *w, const float *ws, const Quant *a, float *const *y) {
+    int blocks = a[0].k / a[0].block, quads = a[0].block / 4;
+    for (int i = 0; i < INPUT_BLOCK; i++) memset(y[i], 0, TILE * sizeof(float));
+    for (int j = 0; j < blocks; j++) {
+        vi32 sum[TILE_VECTORS][INPUT_BLOCK];
+        for (int v = 0; v < TILE_VECTORS; v++)
+            for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = (vi32){0};
+        for (int g = j * quads; g < (j + 1) * quads; g++) {
+            vi8 x[INPUT_BLOCK];
+            for (int i = 0; i < INPUT_BLOCK; i++) x[i] = splat4(a[i].q + 4 * g);
+            const uint8_t *rows = w + (size_t)g * TILE * 4;
+            for (int v = 0; v < TILE_VECTORS; v++) {
+                vu8 weights = load_u8(rows + VBYTES * v);
+                for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = dot4(sum[v][i], weights, x[i]);
+            }
+        }
+        for (int i = 0; i < INPUT_BLOCK; i++) {
+            int32_t bias = DOT_BIAS * a[i].sum[j];
+            float scale = a[i].s[j];
+            for (int v = 0; v < TILE_VECTORS; v++) {
+                vf32 acc = load_f32(y[i] + LANES * v);
+                acc += __builtin_convertvector(sum[v][i] - bias, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
+                store_f32(y[i] + LANES * v, acc);
+            }
+        }
+    }
+}
+
 /* tile_dot over 4-bit codes (K2Lin bits 4): per group, the integer sum of codes x activation codes, less 8 x the
    group's activation sum (the zero point), exact, then times both scales, summed in group order */
 static void tile_dot_int4(const uint8_t *w, const float *ws, const Quant *a, float *y) {
@@ -353,7 +385,14 @@ static void products_task(void *arg, int tid, int threads) {
             const uint8_t *w = l->w + (size_t)t * TILE * l->k / (8 / l->bits);
             const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
             int rows = MIN(TILE, l->n - t * TILE);
-            for (int j = 0; j < p->count[i]; j++) {
+            int j = 0;
+            if (l->bits == 8 && rows == TILE)  /* inputs INPUT_BLOCK at a time, each weight loaded once for them */
+                for (; j + INPUT_BLOCK <= p->count[i]; j += INPUT_BLOCK) {
+                    float *outs[INPUT_BLOCK];
+                    for (int b = 0; b < INPUT_BLOCK; b++) outs[b] = p->out[i] + (size_t)(j + b) * l->n + (size_t)t * TILE;
+                    tile_dot_inputs(w, ws, &p->in[i][j], outs);
+                }
+            for (; j < p->count[i]; j++) {
                 float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE, *into = rows == TILE ? out : y;
                 if (l->bits == 4) tile_dot_int4(w, ws, &p->in[i][j], into);
                 else tile_dot(w, ws, &p->in[i][j], into);
