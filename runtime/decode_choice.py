@@ -4,7 +4,8 @@ onnx` for the graphs, and `--decode auto` (the default) takes the native step wh
 host allow it and it measured no slower than the graphs here; each model says which and why (`decode_kernels`).
 
 At the first use of an artifact with a thread count on a host, the artifact's own first decoder layer runs a few
-decode positions through each (`time_first_layer`), and the faster one decodes. The figures are kept in the native
+decode positions through its graph (`time_graph_layer`, the graph then let go) and through the native step
+(`time_native_layer`), and the faster one runs the model. The figures are kept in the native
 build's cache folder (`choices.json`, keyed by the library's build, the artifact's digest and the threads), so a
 later start reads them instead; a file that does not parse, or holds anything but positive times, is measured
 again and rewritten (written to a temporary name and renamed into place).
@@ -24,7 +25,9 @@ import numpy as np
 
 from ..core.errors import K2Error
 from ..core.manifest import Manifest
-from .native_build import NativeUnavailable, cache_dir
+from .cache import Cache, pages_for
+from .kv_cache import LatentPages
+from .native_build import NativeUnavailable, cache_dir, library
 from .native_decode import DECODE_KERNELS, NativeDecoder
 from .native_model import NativeModel
 from .ort_backend import OrtModel
@@ -46,48 +49,71 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
             raise NativeUnavailable("it runs the whole model on the cpu provider")
         if not manifest.data.get("complete"):
             raise NativeUnavailable("it runs a whole model's artifact")
-        native = NativeDecoder(manifest, process_threads(threads), manifest.config.max_position_embeddings)
+        threads = process_threads(threads)
+        key = f"{Path(library()._name).name}:{manifest.digest}:{threads}"
+        kept = _figures(_read(cache_dir() / CHOICES).get(key)) if decode == "auto" else None
+        graphs_ms = None
+        if decode == "auto" and kept is None:  # the graph timed and let go first: the process never holds both
+            graphs_ms = time_graph_layer(OrtModel(manifest, provider, threads, layers=range(1), embed=False))
+        native = NativeDecoder(manifest, threads, manifest.config.max_position_embeddings)
     except NativeUnavailable as exc:
         if decode == "native":
             raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None
         return OrtModel(manifest, provider, threads, decode_kernels=f"onnx (native: {exc})")
     why = "asked for"
     if decode == "auto":
-        chosen, why = choose(OrtModel(manifest, provider, threads, layers=range(1)), native)
-        if not chosen:
-            return OrtModel(manifest, provider, threads, decode_kernels=f"onnx (native {native.isa}: {why})")
+        native_ms, graphs_ms = kept or (time_native_layer(native, manifest), graphs_ms)
+        if kept is None:
+            _keep(key, native_ms, graphs_ms)
+        why = (f"layer 0 measured {native_ms:.3f} ms a position natively, {graphs_ms:.3f} ms through its graph"
+               + (" (kept from an earlier run)" if kept else ""))
+        if native_ms > graphs_ms:
+            return OrtModel(manifest, provider, threads, decode_kernels=f"onnx (native {native.isa}: slower than "
+                                                                        f"the graphs here: {why})")
     yield_to_native_decode()
     return NativeModel(manifest, native, f"native ({native.isa}; {why})")
 
 
-def time_first_layer(model: OrtModel, native: NativeDecoder) -> tuple[float, float]:
-    """The median ms of one decode position of layer 0 through the native step and through its graph (`model` runs
-    at least layer 0) -> (native, graphs); each from an empty cache of one page, positions 0, 1, 2, ... as decode
-    would write them."""
-    rng = np.random.default_rng(0)
-    hidden = rng.standard_normal((1, 1, model.config.hidden_size)).astype(np.float32)
+def _timed(manifest: Manifest, run) -> float:
+    """The median ms of run(view, position) over decode positions 0, 1, 2, ... of one sequence in a fresh cache of
+    one layer (WARMUP untimed first), each position's page reserved as decode reserves it."""
+    pages = pages_for(WARMUP + TIMED)
+    cache = Cache(1, WARMUP + TIMED, pages, LatentPages(manifest.kv_cache, 1, pages), False, b"")
+    times = []
+    for position in range(WARMUP + TIMED):
+        cache.reserve([0], [position + 1])
+        view = cache.view([0]).entries()
+        started = time.perf_counter()
+        run(view, position)
+        if position >= WARMUP:
+            times.append((time.perf_counter() - started) * 1e3)
+    return statistics.median(times)
 
-    def timed(run) -> float:
-        cache = model.new_cache(1, WARMUP + TIMED)
-        times = []
-        for position in range(WARMUP + TIMED):
-            cache.reserve([0], [position + 1])
-            view = cache.view([0]).entries()
-            started = time.perf_counter()
-            run(view, position)
-            if position >= WARMUP:
-                times.append((time.perf_counter() - started) * 1e3)
-        return statistics.median(times)
+
+def _hidden(manifest: Manifest) -> np.ndarray:
+    return np.random.default_rng(0).standard_normal((1, 1, manifest.config.hidden_size)).astype(np.float32)
+
+
+def time_graph_layer(model: OrtModel) -> float:
+    """The median ms of one decode position through layer 0's graph (`model` runs at least layer 0)."""
+    hidden = _hidden(model.manifest)
 
     def through_graph(view, position):
         positions = np.array([[position]], np.int64)
         model.run_layer(0, hidden, positions, view, view.new_entries(positions))
 
+    return _timed(model.manifest, through_graph)
+
+
+def time_native_layer(native: NativeDecoder, manifest: Manifest) -> float:
+    """The median ms of one decode position through the native step's layer 0."""
+    hidden = _hidden(manifest)
+
     def through_native(view, position):
         pools = {name: array[0] for name, array in view.pages.arrays.items()}
         native.layer_step(0, hidden, position, view.page_table[0], pools)
 
-    return timed(through_native), timed(through_graph)
+    return _timed(manifest, through_native)
 
 
 def _read(path: Path) -> dict:
@@ -107,14 +133,9 @@ def _figures(entry) -> tuple[float, float] | None:
     return None
 
 
-def measured(model: OrtModel, native: NativeDecoder, key: str) -> tuple[float, float, bool]:
-    """(native ms, graphs ms, whether they were read from the cache) for `key`, measured and kept where the
-    cache holds none."""
+def _keep(key: str, native_ms: float, graphs_ms: float) -> None:
+    """The figures into the cache folder's CHOICES under `key` (the file rewritten whole, renamed into place)."""
     path = cache_dir() / CHOICES
-    kept = _figures(_read(path).get(key))
-    if kept is not None:
-        return (*kept, True)
-    native_ms, graphs_ms = time_first_layer(model, native)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read(path)
@@ -124,16 +145,3 @@ def measured(model: OrtModel, native: NativeDecoder, key: str) -> tuple[float, f
         os.replace(handle.name, path)
     except OSError:
         pass  # an unwritable cache folder: measured again at the next start
-    return native_ms, graphs_ms, False
-
-
-def choose(model: OrtModel, native: NativeDecoder) -> tuple[bool, str]:
-    """Whether `native` runs the model rather than its graphs (`model`: at least its layer 0), and the reason in
-    words."""
-    key = f"{Path(native.lib._name).name}:{model.manifest.digest}:{native.threads}"
-    native_ms, graphs_ms, kept = measured(model, native, key)
-    figures = (f"layer 0 measured {native_ms:.3f} ms a position natively, {graphs_ms:.3f} ms through its graph"
-               + (" (kept from an earlier run)" if kept else ""))
-    if native_ms <= graphs_ms:
-        return True, figures
-    return False, f"slower than the graphs here: {figures}"

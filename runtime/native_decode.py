@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -102,47 +103,31 @@ def _huge(nbytes: int) -> np.ndarray:
     return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
 
 
-def _tile_rows(codes: np.ndarray, tile: int) -> np.ndarray:
-    """codes [n, k] -> [tiles, k / 4, tile, 4]: each tile's rows side by side, four inputs at a time, n padded to
-    whole tiles with zero rows (their outputs are never read)."""
-    n, k = codes.shape
-    count = -(-n // tile)
-    codes = np.pad(codes, [(0, count * tile - n), (0, 0)])
-    return codes.reshape(count, tile, k // 4, 4).swapaxes(1, 2)
-
-
-def _nibbles(packed: np.ndarray, tile: int) -> np.ndarray:
-    """4-bit codes [n, k / 2] (two a byte, the lower input in the low nibble: QMoE's layout) -> [tiles, k / 8, tile,
-    4] bytes: inputs 8 i .. 8 i + 3 of each row in the low nibbles, 8 i + 4 .. 8 i + 7 in the high ones."""
-    n, half = packed.shape
-    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(n, 2 * half)
-    laid = _tile_rows(codes, tile)  # [tiles, k / 4, tile, 4], one code a byte
-    return laid[:, 0::2] | (laid[:, 1::2] << 4)
-
-
-def tiled(codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8,
+def tiled(lib: ctypes.CDLL, codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8,
           done=lambda source: None) -> tuple[np.ndarray, np.ndarray]:
-    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it: codes [..., n, k] uint8 (bits 8) or [..., n,
-    k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] -> codes [..., tiles, k / 4, tile, 4]
-    (bits 8: each tile's rows side by side, four inputs at a time, so that one int8 dot instruction takes 16 rows
-    and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], `_nibbles`) and scales [..., tiles, k / block,
-    tile], in memory of its own (`_huge`), one matrix of a stack at a time (nothing of the stack's size is copied
-    on the way); done(source) is told each matrix's codes and scales once they are laid out."""
+    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it, laid out by its k2_lay_out: codes [..., n, k]
+    uint8 (bits 8) or [..., n, k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] float32 ->
+    codes [..., tiles, k / 4, tile, 4] (bits 8: each tile's rows side by side, four inputs at a time, so that one int8
+    dot instruction takes 16 rows and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], inputs 8 i .. 8 i +
+    3 of each row in the low nibbles, 8 i + 4 .. 8 i + 7 in the high ones) and scales [..., tiles, k / block, tile],
+    in memory of its own (`_huge`), one matrix of a stack at a time; done(source) is told each matrix's codes and
+    scales once they are laid out."""
     *lead, n, width = codes.shape
     blocks = scales.shape[-1]
-    count = -(-n // tile)
-    laid_codes = _huge(int(np.prod(lead, dtype=np.int64)) * count * tile * width)
-    laid_codes = laid_codes.reshape(-1, count * tile * width)
-    laid_scales = _huge(int(np.prod(lead, dtype=np.int64)) * count * tile * blocks * 4).view(np.float32)
-    laid_scales = laid_scales.reshape(-1, count, blocks, tile)
+    count, matrices = -(-n // tile), int(np.prod(lead, dtype=np.int64))
+    laid_codes = _huge(matrices * count * tile * width).reshape(matrices, -1)
+    laid_scales = _huge(matrices * count * tile * blocks * 4).view(np.float32).reshape(matrices, -1)
     flat_codes, flat_scales = codes.reshape(-1, n, width), scales.reshape(-1, n, blocks)
-    for i in range(len(flat_codes)):
-        laid = _nibbles(flat_codes[i], tile) if bits == 4 else _tile_rows(flat_codes[i], tile)
-        laid_codes[i] = laid.reshape(-1)
-        rows = np.pad(flat_scales[i], [(0, count * tile - n), (0, 0)])
-        laid_scales[i] = rows.reshape(count, tile, blocks).swapaxes(-2, -1)
+
+    def lay_out(i: int) -> None:  # ctypes lets go of the GIL: the matrices of a stack are laid out on every core
+        source, source_scales = np.ascontiguousarray(flat_codes[i]), np.ascontiguousarray(flat_scales[i], np.float32)
+        lib.k2_lay_out(_address(source), _address(source_scales), n, width * 8 // bits, blocks, bits,
+                       _address(laid_codes[i]), _address(laid_scales[i]))
         done(flat_codes[i])
         done(flat_scales[i])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(matrices, len(core_cpus())))) as pool:
+        list(pool.map(lay_out, range(matrices)))
     return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
 
 
@@ -161,9 +146,9 @@ class GraphWeights:
     native step reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each
     weight are given back as soon as it is laid out, so a process never holds a layer twice."""
 
-    def __init__(self, path: Path, tile: int = 64):
-        """tile: the rows of a weight tile (decode_step.c's TILE)."""
-        self.path, self.tile = path, tile
+    def __init__(self, path: Path, lib: ctypes.CDLL, tile: int = 64):
+        """lib: the native library (its k2_lay_out lays the tiles out); tile: the rows of a weight tile (its TILE)."""
+        self.path, self.lib, self.tile = path, lib, tile
         self.tensors = external_initializers(path)
         self.maps: dict[str, tuple[mmap.mmap | None, np.ndarray]] = {}
         self.held: list[np.ndarray] = []  # arrays made here (widened, tiled), kept alive with the model
@@ -210,7 +195,7 @@ class GraphWeights:
 
     def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
         """`tiled`, kept alive with the model; the file's pages under each matrix given back once it is laid out."""
-        codes, scales = tiled(codes, scales, self.tile, bits, self._give_back)
+        codes, scales = tiled(self.lib, codes, scales, self.tile, bits, self._give_back)
         return self.keep(codes), self.keep(scales)
 
     def _give_back(self, source: np.ndarray) -> None:
@@ -264,14 +249,14 @@ class NativeDecoder:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory of its own, and {available / 2**30:.1f} GiB is available")
         tile = built["tile"]
-        self.graphs = [GraphWeights(manifest.graph_file(name), tile=tile) for name in names[:-1]]
+        self.graphs = [GraphWeights(manifest.graph_file(name), self.lib, tile) for name in names[:-1]]
         layers = []
         for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
             layers.append(self._layer(index, g))
             g.release()
         self.layers = (Layer * c.num_hidden_layers)(*layers)
-        embed = GraphWeights(manifest.graph_file("embed"))
-        head = GraphWeights(manifest.graph_file("head"), tile=tile)
+        embed = GraphWeights(manifest.graph_file("embed"), self.lib)
+        head = GraphWeights(manifest.graph_file("head"), self.lib, tile)
         self.graphs += [embed, head]
         table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
         dims = self._dims(max_len)

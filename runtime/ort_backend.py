@@ -85,11 +85,11 @@ class OrtModel(HostCache):
 
     def __init__(self, manifest: Manifest, provider: str = "cpu", threads: int | None = None,
                  layers: range | None = None, device_id: int | None = None, host_share: int = 1,
-                 decode_kernels: str = "onnx"):
+                 decode_kernels: str = "onnx", embed: bool = True):
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
         by host_share, the number of processes running stages on it). decode_kernels: why the graphs decode, as
         `generate`, `bench` and `serve` report it (runtime/decode_choice.py says where the native step runs
-        instead)."""
+        instead). embed False: no embedding session even where the range starts at layer 0 (a layer run alone)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]
             raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to run it")
@@ -104,7 +104,7 @@ class OrtModel(HostCache):
         self.layers = layers if layers is not None else range(len(entries))
         self.first, self.last = self.layers.start == 0, self.layers.stop == len(entries)
         first_layer = manifest.graphs["layer_range"][0]
-        self.embed_session = self._session("embed") if self.first else None
+        self.embed_session = self._session("embed") if self.first and embed else None
         self.layer_sessions = [self._session(f"layer_{first_layer + i:03d}") for i in self.layers]
         self.head_session = self._session("head") if self.last else None
         self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks

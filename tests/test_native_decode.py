@@ -215,7 +215,8 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
     monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path))
     timed = []
     figures = {"faster": (0.5, 1.0), "slower": (2.0, 1.0)}
-    monkeypatch.setattr(decode_choice, "time_first_layer", lambda model, native: timed.append(1) or figures[case])
+    monkeypatch.setattr(decode_choice, "time_graph_layer", lambda model: timed.append(1) or figures[case][1])
+    monkeypatch.setattr(decode_choice, "time_native_layer", lambda native, manifest: figures[case][0])
     case = "slower"
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
     assert not isinstance(model, NativeModel) and model.decode_kernels.startswith("onnx (native ")
@@ -233,9 +234,10 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
 
 def test_the_first_layer_is_timed_both_ways(tiny_cpu_artifact):
     model = _native_or_skip(tiny_cpu_artifact)
-    native_ms, graphs_ms = decode_choice.time_first_layer(OrtModel(load_manifest(tiny_cpu_artifact), layers=range(1)),
-                                                          model.native)
-    assert native_ms > 0 and graphs_ms > 0
+    graphs = OrtModel(load_manifest(tiny_cpu_artifact), layers=range(1), embed=False)
+    assert graphs.embed_session is None and graphs.head_session is None and len(graphs.layer_sessions) == 1
+    assert decode_choice.time_graph_layer(graphs) > 0
+    assert decode_choice.time_native_layer(model.native, model.manifest) > 0
 
 
 def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifact):
@@ -284,7 +286,7 @@ def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_ar
 
 
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):
-    weights = GraphWeights(load_manifest(tiny_cpu_artifact).graph_file("layer_000"))
+    weights = GraphWeights(load_manifest(tiny_cpu_artifact).graph_file("layer_000"), native_build.library())
     with pytest.raises(NativeUnavailable, match="input_layernorm.weight is"):
         weights.floats("input_layernorm.weight", (7,))
     with pytest.raises(NativeUnavailable, match="missing"):

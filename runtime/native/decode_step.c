@@ -1067,6 +1067,31 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
     return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
 }
 
+/* one matrix laid out as a K2Lin holds it (runtime/native_decode.py tiled): codes [n, k] bytes (bits 8) or [n, k / 2]
+   two 4-bit codes a byte, the lower input in the low nibble (bits 4), scales [n, blocks] -> w and s, tiles(n) tiles
+   of TILE rows (the rows past n zero) */
+void k2_lay_out(const uint8_t *codes, const float *scales, int n, int k, int blocks, int bits, uint8_t *w, float *s) {
+    size_t row_bytes = (size_t)k * bits / 8, count = tiles(n);
+    int groups = k / (bits == 8 ? 4 : 8);  /* four-byte groups of a tile row */
+    for (size_t t = 0; t < count; t++) {
+        const uint8_t *rows[TILE];  /* the tile's source rows, NULL past n: written in order, read from cache */
+        for (int r = 0; r < TILE; r++) rows[r] = t * TILE + r < (size_t)n ? codes + (t * TILE + r) * row_bytes : NULL;
+        for (int j = 0; j < blocks; j++)
+            for (int r = 0; r < TILE; r++) *s++ = rows[r] ? scales[(t * TILE + r) * blocks + j] : 0;
+        for (int g = 0; g < groups; g++)
+            for (int r = 0; r < TILE; r++, w += 4) {
+                const uint8_t *src = rows[r];
+                if (!src) { memset(w, 0, 4); continue; }
+                if (bits == 8) { memcpy(w, src + 4 * g, 4); continue; }
+                const uint8_t *b = src + 4 * g;  /* inputs 8 g .. 8 g + 7, two a byte, the lower one low */
+                w[0] = (uint8_t)((b[0] & 15) | (b[2] << 4));  /* input 8 g + i low, 8 g + 4 + i high */
+                w[1] = (uint8_t)((b[0] >> 4) | (b[2] & 0xF0));
+                w[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
+                w[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
+            }
+    }
+}
+
 /* the library's side of its contract with runtime/native_decode.py, read there at load (native_build.CONTRACT
    names them in this order): its constants and the sizes of the structs it takes; a Python side whose layout or
    limits differ refuses to run it */
