@@ -40,7 +40,8 @@
 #define HEAD_GROUP (VBYTES == 64 ? 16 : 8)  /* heads that share one pass of latent_dots() over a cached row */
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
 #define STARVED_SECONDS 1e-3 /* the caller waiting this much longer than its own share took: a worker had no core */
-#define QUIET_SECONDS 1.0   /* and then nobody spins for this long */
+#define QUIET_SECONDS 0.01  /* and then nobody spins for this long, doubled for each starved wait that follows */
+#define QUIET_DOUBLINGS 7   /* within the last quiet time or soon after (at most 1.28 s) */
 
 /* ---- the model, as runtime/native_decode.py lays it out ------------------------------------------------ */
 
@@ -93,6 +94,7 @@ static struct {
     int cpus[MAX_THREADS];  /* thread t's CPU; -1: not pinned */
     pthread_t ids[MAX_THREADS];
     atomic_int generation, done, sleeping, stop, caller_sleeps;
+    int streak;             /* starved waits in a row (each within a quiet time of the last), the caller's own */
     _Atomic double quiet_until;  /* before this time waits do not spin: a worker lately went without a core */
     Task task; void *arg;
     pthread_mutex_t lock; pthread_cond_t wake, finished;
@@ -175,21 +177,32 @@ static void release_cpu(Held *h) {
     if (h->held) sched_setaffinity(0, sizeof h->before, &h->before);
 }
 
+/* a worker went without a core: nobody spins for QUIET_SECONDS, twice that if it happened in the last quiet time
+   (or as long after it), and so on up to QUIET_DOUBLINGS times: one late wake-up (an interrupt, the host taking the
+   core a moment) costs 10 ms of sleeping waits, a host with more threads than cores keeps them sleeping */
+static void starved(double at) {
+    double until = atomic_load(&pool.quiet_until), quiet = QUIET_SECONDS * (1 << MIN(pool.streak, QUIET_DOUBLINGS));
+    pool.streak = at < until + quiet ? pool.streak + 1 : 0;
+    atomic_store(&pool.quiet_until, at + QUIET_SECONDS * (1 << MIN(pool.streak, QUIET_DOUBLINGS)));
+}
+
 /* the caller's wait for the workers: spins while spinning is allowed, else (or once a worker has gone without a
-   core for a while) sleeps until the last one wakes it, and then keeps everyone from spinning for QUIET_SECONDS */
+   core for a while: starved) sleeps until the last one wakes it */
 static void wait_for_workers(double own_seconds) {
     double since = now();
     for (int spins = 1; atomic_load(&pool.done) < pool.threads - 1; spins++) {
         if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
         if (spins % 256 == 0) {
             double at = now();
-            if (at - since > own_seconds + STARVED_SECONDS) atomic_store(&pool.quiet_until, at + QUIET_SECONDS);
+            if (at - since > own_seconds + STARVED_SECONDS) starved(at);
             if (!may_spin(at)) {
                 pthread_mutex_lock(&pool.lock);
                 atomic_store(&pool.caller_sleeps, 1);  /* before done is read again: the last worker then wakes it */
                 while (atomic_load(&pool.done) < pool.threads - 1) pthread_cond_wait(&pool.finished, &pool.lock);
                 atomic_store(&pool.caller_sleeps, 0);
                 pthread_mutex_unlock(&pool.lock);
+                double woken = now();
+                if (woken - since > own_seconds + STARVED_SECONDS) starved(woken);  /* still no core for them */
                 return;
             }
         }
