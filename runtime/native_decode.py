@@ -284,11 +284,11 @@ class NativeDecoder:
 
     def cpus(self, threads: int) -> np.ndarray:
         """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];
-        -1 everywhere where the system cannot pin (or there are fewer cores than threads)."""
-        cores = core_cpus()
-        if len(cores) < threads or not hasattr(os, "sched_setaffinity"):
-            return np.full(threads, -1, np.int32)
-        return np.array([core[0] for core in cores[:threads]], np.int32)
+        -1 for the threads past the cores (a step runs on at most as many threads as there are cores) and
+        everywhere where the system cannot pin."""
+        cores = core_cpus() if hasattr(os, "sched_setaffinity") else []
+        pinned = [core[0] for core in cores[:threads]]
+        return np.array(pinned + [-1] * (threads - len(pinned)), np.int32)
 
     def _dims(self, max_len: int) -> Dims:
         c = self.config

@@ -90,7 +90,7 @@ typedef void (*Task)(void *arg, int tid, int threads);
 
 static struct {
     int threads;
-    int spin;               /* 0: more threads than the process's CPUs, waits never spin */
+    int active;             /* the threads of the current step (begin_step): all, or 1 while quiet */
     int cpus[MAX_THREADS];  /* thread t's CPU; -1: not pinned */
     pthread_t ids[MAX_THREADS];
     atomic_int generation, done, sleeping, stop, caller_sleeps;
@@ -109,7 +109,7 @@ static void pin(int cpu) {  /* the calling thread onto one CPU */
     sched_setaffinity(0, sizeof set, &set);
 }
 
-static int may_spin(double at) { return pool.spin && at >= atomic_load(&pool.quiet_until); }
+static int may_spin(double at) { return at >= atomic_load(&pool.quiet_until); }
 
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg, seen = 0;  /* the generation at the pool's start: read here instead, a phase
@@ -124,7 +124,7 @@ static void *worker(void *arg) {
             if (spins % 1024 == 0) sched_yield();  /* a thread that shares this core gets it */
             if (spins % 256 == 0) {
                 double at = now();
-                if (!may_spin(at) || at - idle_since > SPIN_SECONDS) {
+                if (tid >= pool.active || !may_spin(at) || at - idle_since > SPIN_SECONDS) {
                     pthread_mutex_lock(&pool.lock);
                     atomic_fetch_add(&pool.sleeping, 1);
                     while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
@@ -136,8 +136,9 @@ static void *worker(void *arg) {
         }
         seen = atomic_load(&pool.generation);
         if (atomic_load(&pool.stop)) return NULL;
-        pool.task(pool.arg, tid, pool.threads);
-        if (atomic_fetch_add(&pool.done, 1) == pool.threads - 2 && atomic_load(&pool.caller_sleeps)) {
+        if (tid >= pool.active) continue;  /* not in this step (set before the generation moved) */
+        pool.task(pool.arg, tid, pool.active);
+        if (atomic_fetch_add(&pool.done, 1) == pool.active - 2 && atomic_load(&pool.caller_sleeps)) {
             pthread_mutex_lock(&pool.lock);  /* the caller sleeps (or is about to, under the lock): wake it */
             pthread_cond_signal(&pool.finished);
             pthread_mutex_unlock(&pool.lock);
@@ -145,7 +146,8 @@ static void *worker(void *arg) {
     }
 }
 
-/* Starts `threads` - 1 workers (the caller is thread 0) -> the pool's size; a started pool keeps its size. cpus:
+/* Starts `threads` - 1 workers (the caller is thread 0), at most as many threads as the process has CPUs -> the
+   pool's size; a started pool keeps its size. cpus:
    thread t's CPU (distinct physical cores), or NULL: none pinned. Each worker keeps to its CPU; the thread that
    calls a step holds cpus[0] for the step's length (hold_cpu). A worker woken after a long idle gap otherwise
    tends to be placed on the caller's core, and the two then take turns there for the whole step. */
@@ -153,8 +155,8 @@ int k2_pool_start(int threads, const int *cpus) {
     if (pool.threads) return pool.threads;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    cpu_set_t allowed;
-    pool.spin = sched_getaffinity(0, sizeof allowed, &allowed) != 0 || threads <= CPU_COUNT(&allowed);
+    cpu_set_t allowed;  /* more threads than the process's CPUs would only take turns on them */
+    if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) < threads) threads = CPU_COUNT(&allowed);
     for (int t = 0; t < threads; t++) pool.cpus[t] = cpus ? cpus[t] : -1;
     for (int t = 1; t < threads; t++)
         if (pthread_create(&pool.ids[t], NULL, worker, (void *)(intptr_t)t) != 0) { threads = t; break; }
@@ -162,11 +164,18 @@ int k2_pool_start(int threads, const int *cpus) {
     return threads;
 }
 
+/* the threads a step runs on: the pool's, or the caller alone while a worker lately went without a core (a busy
+   host: no step waits on a thread that has no core, and the results do not depend on the number of threads) */
+static void begin_step(void) {
+    pool.active = pool.threads > 1 && now() >= atomic_load(&pool.quiet_until) ? pool.threads : 1;
+}
+
 typedef struct { cpu_set_t before; int held; } Held;
 
-static Held hold_cpu(void) {  /* the calling thread onto cpus[0] until release_cpu */
+static Held hold_cpu(void) {  /* the calling thread onto cpus[0] until release_cpu, in a step of several threads
+                                 (a step of the caller alone goes wherever the system finds a free core) */
     Held h = {.held = 0};
-    if (pool.threads > 1 && pool.cpus[0] >= 0 && sched_getaffinity(0, sizeof h.before, &h.before) == 0) {
+    if (pool.active > 1 && pool.cpus[0] >= 0 && sched_getaffinity(0, sizeof h.before, &h.before) == 0) {
         pin(pool.cpus[0]);
         h.held = 1;
     }
@@ -190,7 +199,7 @@ static void starved(double at) {
    core for a while: starved) sleeps until the last one wakes it */
 static void wait_for_workers(double own_seconds) {
     double since = now();
-    for (int spins = 1; atomic_load(&pool.done) < pool.threads - 1; spins++) {
+    for (int spins = 1; atomic_load(&pool.done) < pool.active - 1; spins++) {
         if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
         if (spins % 256 == 0) {
             double at = now();
@@ -198,7 +207,7 @@ static void wait_for_workers(double own_seconds) {
             if (!may_spin(at)) {
                 pthread_mutex_lock(&pool.lock);
                 atomic_store(&pool.caller_sleeps, 1);  /* before done is read again: the last worker then wakes it */
-                while (atomic_load(&pool.done) < pool.threads - 1) pthread_cond_wait(&pool.finished, &pool.lock);
+                while (atomic_load(&pool.done) < pool.active - 1) pthread_cond_wait(&pool.finished, &pool.lock);
                 atomic_store(&pool.caller_sleeps, 0);
                 pthread_mutex_unlock(&pool.lock);
                 double woken = now();
@@ -211,7 +220,7 @@ static void wait_for_workers(double own_seconds) {
 }
 
 static void run(Task task, void *arg) {
-    if (pool.threads <= 1) { task(arg, 0, 1); return; }
+    if (pool.active <= 1) { task(arg, 0, 1); return; }
     pool.task = task; pool.arg = arg;
     atomic_store(&pool.done, 0);
     pthread_mutex_lock(&pool.lock);
@@ -219,7 +228,7 @@ static void run(Task task, void *arg) {
     if (atomic_load(&pool.sleeping)) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     double started = now();
-    task(arg, 0, pool.threads);
+    task(arg, 0, pool.active);
     wait_for_workers(now() - started);
 }
 
@@ -1061,6 +1070,7 @@ int k2_decode_layers(const K2Model *m, int first, int count, int batch, const in
         if (l->moe && (l->experts > MAX_EXPERTS || (l->bits != 8 && l->bits != 4))) return -1;
     }
     Bump b = step_scratch(m, scratch);
+    begin_step();
     Held held = hold_cpu();
     for (int i = 0; i < count; i++)
         layer_step(d, &m->layer[first + i], batch, hidden, pos, &pages[i], tables, table_len, b, (char *)scratch);
@@ -1121,6 +1131,7 @@ const char *k2_isa(void) { return K2_ISA; }
 void k2_logits(const K2Model *m, int batch, const float *hidden, float *logits, float *scratch) {
     const K2Dims *d = &m->d;
     Bump b = step_scratch(m, scratch);
+    begin_step();
     Held held = hold_cpu();
     one_product(&m->head, batch, quantize_rows(hidden, batch, d->hidden, m->final_norm, d->eps, m->head.block, &b),
                 logits);
