@@ -229,10 +229,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
         except GrammarError as exc:
             raise K2Error(f"--tools {args.tools}: {exc}") from None
     generator = _load_generator(args, len(prompt) + args.max_new_tokens, manifest)
-    kernels = getattr(generator.model, "decode_kernels", None)  # the cpu provider's choice, and why
-    if kernels:
-        print(f"decode: {kernels}", file=sys.stderr)
     result = generator.generate([prompt], params, lambda ids: constraint)[0]
+    kernels = getattr(generator.model, "decode_kernels", None)  # the cpu provider's choice, and why
+    if kernels:  # once it ran: a refused request's error stays the one line on stderr
+        print(f"decode: {kernels}", file=sys.stderr)
     text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
     calls, finish_reason, reasoning = [], result.finish_reason, None
     if args.chat and text is not None:
