@@ -30,7 +30,7 @@ from .kv_cache import LatentPages
 from .native_build import NativeUnavailable, cache_dir, library
 from .native_decode import DECODE_KERNELS, NativeDecoder
 from .native_model import NativeModel
-from .ort_backend import OrtModel
+from .ort_backend import OrtModel, check_against_graphs
 from .thread_pool import process_threads, yield_to_native_decode
 
 WARMUP, TIMED = 3, 8  # decode positions run untimed, then timed, through each path
@@ -49,6 +49,8 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
             raise NativeUnavailable("it runs the whole model on the cpu provider")
         if not manifest.data.get("complete"):
             raise NativeUnavailable("it runs a whole model's artifact")
+        NativeDecoder.check_target(manifest)  # before anything is loaded or timed
+        check_against_graphs(manifest, [])  # the manifest's cache against its model, as the graphs' loading checks
         threads = process_threads(threads)
         key = f"{Path(library()._name).name}:{manifest.digest}:{threads}"
         kept = _figures(_read(cache_dir() / CHOICES).get(key)) if decode == "auto" else None

@@ -218,11 +218,16 @@ class NativeDecoder:
     with the int8 cache, int8 linears and 8-bit or 4-bit routed experts); NativeUnavailable where the artifact or host does
     not fit."""
 
-    def __init__(self, manifest: Manifest, threads: int, max_len: int):
+    @staticmethod
+    def check_target(manifest: Manifest) -> None:
+        """NativeUnavailable unless the artifact is lowered for the cpu target with the int8 cache."""
         target, cache = manifest.data.get("target"), manifest.kv_cache.get("format")
         if target != "cpu" or cache != "int8":
             raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
                                     f"{cache}")
+
+    def __init__(self, manifest: Manifest, threads: int, max_len: int):
+        self.check_target(manifest)
         c = self.config = manifest.config
         self.lib = library()
         self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
@@ -422,7 +427,15 @@ class NativeDecoder:
         """Each layer's pools [pages, PAGE_SIZE, width], made once per cache (a step otherwise rebuilds them)."""
         key = (_address(latent), _address(scale), _address(rope), latent.shape[1])
         if self._pools is None or self._pools[0] != key:
-            layers = self.config.num_hidden_layers
+            c, layers = self.config, self.config.num_hidden_layers
+            pages = latent.shape[1] if latent.ndim == 4 else -1
+            expected = {"latent": (latent, (layers, pages, PAGE_SIZE, c.kv_lora_rank), (np.uint8,)),
+                        "latent_scale": (scale, (layers, pages, PAGE_SIZE), (np.float32,)),
+                        "rope": (rope, (layers, pages, PAGE_SIZE, c.qk_rope_head_dim), (np.float16, np.uint16))}
+            for name, (array, shape, types) in expected.items():  # the step writes and reads them in place
+                if array.shape != shape or array.dtype.type not in types or not array.flags.c_contiguous:
+                    raise K2Error(f"the cache's {name} pool is {array.dtype} {list(array.shape)}, the native step "
+                                  f"takes {list(shape)}; the artifact's kv_cache does not match its model")
             self._pools = key, (Pages * layers)(*(Pages(_address(latent[i]), _address(scale[i]), _address(rope[i]))
                                                   for i in range(layers)))
         return self._pools[1]

@@ -4,6 +4,7 @@ choice between them (auto, native, onnx) and its reasons, and its build."""
 import _ctypes
 import dataclasses
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -371,3 +372,24 @@ def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_arti
     assert np.array_equal(whole, chunked)
     for name in whole_cache:
         assert np.array_equal(whole_cache[name], chunked_cache[name]), name
+
+
+def test_a_cache_whose_pools_do_not_fit_the_model_is_refused(tiny_cpu_artifact):
+    """The step writes into the cache's pools in place: pools of another shape than the model's (an edited
+    kv_cache) are a one-line refusal, never a write past their end."""
+    model = _native_or_skip(tiny_cpu_artifact)
+    store = model.new_store(2)
+    narrow = {**store.arrays, "latent": store.arrays["latent"][..., :32].copy()}
+    with pytest.raises(K2Error, match="latent pool is uint8 \\[3, 2, 64, 32\\], the native step takes \\[3, 2, 64, 64\\]"):
+        model.native.step(1, 0, np.arange(2), narrow)
+
+
+def test_an_artifact_whose_kv_cache_does_not_fit_its_model_is_refused_before_the_native_step(tiny_cpu_artifact,
+                                                                                          tmp_path):
+    art = shutil.copytree(tiny_cpu_artifact, tmp_path / "art")
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["kv_cache"]["latent_dim"] = 32
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("generate", art, "--prompt-ids", "1,2", "--max-new-tokens", "2")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kv_cache dims (32, 16) are not its model's (64, 16)" in result.stderr
