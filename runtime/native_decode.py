@@ -430,7 +430,7 @@ class NativeDecoder:
             c, layers = self.config, self.config.num_hidden_layers
             pages = latent.shape[1] if latent.ndim == 4 else -1
             expected = {"latent": (latent, (layers, pages, PAGE_SIZE, c.kv_lora_rank), (np.uint8,)),
-                        "latent_scale": (scale, (layers, pages, PAGE_SIZE), (np.float32,)),
+                        "latent_scale": (scale, (layers, pages, PAGE_SIZE, 1), (np.float32,)),  # one a token
                         "rope": (rope, (layers, pages, PAGE_SIZE, c.qk_rope_head_dim), (np.float16, np.uint16))}
             for name, (array, shape, types) in expected.items():  # the step writes and reads them in place
                 if array.shape != shape or array.dtype.type not in types or not array.flags.c_contiguous:
