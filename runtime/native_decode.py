@@ -50,6 +50,7 @@ from .thread_pool import core_cpus
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 DECODE_KERNELS = ("auto", "native", "onnx")  # --decode: what runs a model on the cpu (runtime/decode_choice.py)
+STEP_BATCH = 128  # tokens (or head rows) one native call takes at most: bounds its scratch
 TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
 
 
@@ -440,7 +441,7 @@ class NativeDecoder:
                                                   for i in range(layers)))
         return self._pools[1]
 
-    def logits(self, hidden: np.ndarray, batch: int = 128) -> np.ndarray:
+    def logits(self, hidden: np.ndarray, batch: int = STEP_BATCH) -> np.ndarray:
         """hidden [..., m] -> logits [..., vocab] float32: the final norm and the head, `batch` rows a call (each
         weight row read once for them)."""
         rows = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.config.hidden_size)

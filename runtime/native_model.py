@@ -2,7 +2,7 @@
 `--decode auto` (where it measured no slower than the graphs, runtime/decode_choice.py) and `--decode native` give.
 
 Every valid token of a forward, a prompt's or decode's one a row, is one entry of a batch of native steps,
-NATIVE_BATCH at a time, each with its row's pages: each layer stores every entry before its attention, which reads
+STEP_BATCH at a time, each with its row's pages: each layer stores every entry before its attention, which reads
 positions up to its own, so a prompt's tokens see each other causally. Each token's result is the one it gets
 alone, whatever else is in the batch and however a prompt is chunked (batch-invariant: a request's tokens and
 logprobs do not depend on the other requests of its steps). The layer graphs are not loaded: the process holds
@@ -19,9 +19,7 @@ import numpy as np
 from ..core.manifest import Manifest
 from .cache import CacheView, SlotView
 from .kv_cache import HostCache, LatentPagesView
-from .native_decode import NativeDecoder
-
-NATIVE_BATCH = 128  # tokens a native step takes at most (a prompt's in turn): bounds its scratch
+from .native_decode import STEP_BATCH, NativeDecoder
 
 
 class NativeModel(HostCache):
@@ -49,8 +47,8 @@ class NativeModel(HostCache):
         started = time.perf_counter()
         rows, cols = np.nonzero(valid)
         hidden = np.zeros((*inputs.shape, self.config.hidden_size), np.float32)
-        for at in range(0, len(rows), NATIVE_BATCH):
-            r, c = rows[at:at + NATIVE_BATCH], cols[at:at + NATIVE_BATCH]
+        for at in range(0, len(rows), STEP_BATCH):
+            r, c = rows[at:at + STEP_BATCH], cols[at:at + STEP_BATCH]
             hidden[r, c] = self.native.steps(inputs[r, c], positions[r, c], entries.page_table[r], entries.pages.arrays)
         self.stage_seconds["native_step" if inputs.shape[1] == 1 else "native_prefill"] += time.perf_counter() - started
         return hidden
