@@ -143,14 +143,9 @@ def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
     from ..runtime.generator import Generator
     from ..runtime.backends import load_backend
 
-    manifest = manifest or load_manifest(args.artifact, hash_graphs=not _placed(args))
+    manifest = manifest or load_manifest(args.artifact, hash_graphs=False)  # each graph hashed as it is opened
     return Generator(load_backend(args.backend, manifest, provider=args.provider, threads=args.threads,
                                   placement=args.placement, ray=args.ray, cache_tokens=positions, decode=args.decode))
-
-
-def _placed(args: argparse.Namespace) -> bool:
-    """Whether stages run the model: then each stage hashes its own graphs' files, the driver the rest."""
-    return args.placement is not None or args.ray is not None
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -200,7 +195,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     if args.tools and not args.chat:
         raise K2Error("--tools needs --chat (tools are declared in the chat template)")
-    manifest = load_manifest(args.artifact, hash_graphs=not _placed(args))
+    manifest = load_manifest(args.artifact, hash_graphs=False)  # each graph hashed as it is opened
     tokenizer = load_tokenizer(Path(args.artifact) / "tokenizer", manifest.config.vocab_size)
     tools = _read_tools(args.tools) if args.tools else None
     steering = ToolSteering("", ())

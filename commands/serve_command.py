@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ..runtime.serve.metrics import ServerMetrics
 
     artifact = Path(args.artifact)
-    manifest = load_manifest(artifact, hash_graphs=args.placement is None and args.ray is None)  # stages hash theirs
+    manifest = load_manifest(artifact, hash_graphs=False)  # each graph hashed as it is opened, a stage's by the stage
     tokenizer = load_tokenizer(artifact / "tokenizer", manifest.config.vocab_size)  # None: token-id prompts only
     model_context = manifest.config.max_position_embeddings
     if args.max_context is not None and args.max_context > model_context:

@@ -11,7 +11,7 @@ import hashlib
 import os
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import ModelConfig
@@ -44,6 +44,8 @@ def file_record(root: Path, relative: str) -> dict:
 class Manifest:
     root: Path
     data: dict
+    unhashed: set = field(default_factory=set, compare=False, repr=False)  # listed files whose sha256 is still to
+    # check: the graphs' files where the manifest was loaded with hash_graphs False, each hashed as it is opened
 
     @property
     def config(self) -> ModelConfig:
@@ -60,18 +62,25 @@ class Manifest:
     def path(self, relative: str) -> Path:
         return inside(self.root, relative, "file")
 
-    def graph_file(self, name: str) -> Path:
-        """The .onnx of graph `name` ("embed", "head" or "layer_NNN"), checked before anything opens it: the file
-        says it is that graph, and every tensor it keeps outside it lies in the graph's own listed data file."""
+    def graph_entry(self, name: str) -> dict:
+        """Graph `name`'s record ("embed", "head" or "layer_NNN"): its file, data file, inputs and outputs."""
         graphs = self.graphs
-        if name.startswith("layer_"):
-            index = int(name.removeprefix("layer_")) - graphs["layer_range"][0]
-            entry = graphs["layers"][index]
-            if entry.get("layer") != int(name.removeprefix("layer_")):
-                raise K2Error(f"{self.root / MANIFEST_FILE}: graphs.layers[{index}] says it is layer "
-                              f"{entry.get('layer')!r}, not {name}; re-export the artifact")
-        else:
-            entry = graphs[name]
+        if not name.startswith("layer_"):
+            return graphs[name]
+        index = int(name.removeprefix("layer_")) - graphs["layer_range"][0]
+        entry = graphs["layers"][index]
+        if entry.get("layer") != int(name.removeprefix("layer_")):
+            raise K2Error(f"{self.root / MANIFEST_FILE}: graphs.layers[{index}] says it is layer "
+                          f"{entry.get('layer')!r}, not {name}; re-export the artifact")
+        return entry
+
+    def graph_file(self, name: str, hash_data: bool = True) -> Path:
+        """The .onnx of graph `name` ("embed", "head" or "layer_NNN"), checked before anything opens it: hashed if it
+        is still unhashed, and its data file too unless hash_data is False (the caller then checks the data's
+        sha256 as it reads it: `data_sha256`); the file says it is that graph, and every tensor it keeps outside it
+        lies in the graph's own listed data file."""
+        entry = self.graph_entry(name)
+        self.verify([key for key in (entry["file"], entry["data"] if hash_data else None) if key in self.unhashed])
         path = self.path(entry["file"])
         metadata, locations = graph_facts(path)
         if metadata.get(GRAPH_KEY) != name:
@@ -93,20 +102,29 @@ class Manifest:
             if file.stat().st_size != record["bytes"]:
                 raise K2Error(f"{self.root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
                               f"{record['bytes']}; it was altered or truncated, re-export the artifact")
-            if hashes and sha256_file(file) != record["sha256"]:
-                raise K2Error(f"{self.root}: file {relative} does not match its sha256 in the manifest; it was "
-                              f"altered, re-export the artifact")
+            if hashes:
+                self.check_sha256(relative, sha256_file(file))
+
+    def check_sha256(self, relative: str, digest: str | None) -> None:
+        """A K2Error unless `digest` (None: the file could not be read through) is file `relative`'s sha256 in the
+        manifest; once it is, the file counts as hashed."""
+        if digest != self.data["files"][relative]["sha256"]:
+            raise K2Error(f"{self.root}: file {relative} does not match its sha256 in the manifest; it was "
+                          f"altered, re-export the artifact")
+        self.unhashed.discard(relative)
+
+    def data_sha256(self, name: str) -> str | None:
+        """The sha256 graph `name`'s data file must have, where it is still unhashed (the reader checks it with
+        `check_sha256`), else None."""
+        data = self.graph_entry(name)["data"]
+        return self.data["files"][data]["sha256"] if data in self.unhashed else None
 
     def graph_files(self, names=None) -> list[str]:
-        """The files (graph and external data) of graphs `names` ("embed", "head", "layer_NNN"; None: all)."""
-        graphs = self.graphs
-        if names is None:
-            entries = [graphs["embed"], *graphs["layers"], graphs["head"]]
-        else:
-            first = graphs["layer_range"][0]
-            entries = [graphs["layers"][int(n.removeprefix("layer_")) - first] if n.startswith("layer_") else graphs[n]
-                       for n in names]
-        return [entry[key] for entry in entries for key in ("file", "data")]
+        """The files (graph and external data) of graphs `names` ("embed", "head", "layer_NNN"; None: all the artifact
+        holds)."""
+        entries = ([self.graphs["embed"], *self.graphs["layers"], self.graphs["head"]] if names is None
+                   else [self.graph_entry(name) for name in names])
+        return [entry[key] for entry in entries if entry is not None for key in ("file", "data")]
 
     @property
     def digest(self) -> str:
@@ -167,8 +185,9 @@ def _check_shape(root: Path, data: dict) -> None:
 
 def load_manifest(root: str | Path, verify_hashes: bool = True, hash_graphs: bool = True) -> Manifest:
     """Reads and checks an artifact: format version, its structure, then every file's place (a regular file
-    inside the artifact), presence, size and (by default) hash; hash_graphs False leaves the graphs' files
-    unhashed (pipeline stages hash their own)."""
+    inside the artifact), presence, size and (by default) hash; hash_graphs False leaves the graphs' files to be
+    hashed as each is opened (`graph_file`): a backend or stage hashes only what it loads, and may hash a data file
+    in the same read that loads it."""
     root = Path(root)
     if not root.is_dir():
         raise K2Error(f"{root}: not an artifact directory (run `k2deploy export CKPT --out {root}` first)")
@@ -184,4 +203,6 @@ def load_manifest(root: str | Path, verify_hashes: bool = True, hash_graphs: boo
     unhashed = set() if hash_graphs else set(manifest.graph_files())
     manifest.verify([name for name in data["files"] if name not in unhashed], verify_hashes)
     manifest.verify(unhashed, hashes=False)
+    if verify_hashes:
+        manifest.unhashed.update(unhashed)
     return manifest

@@ -44,6 +44,7 @@ from ..core.errors import K2Error
 from ..core.host_memory import available_memory
 from ..core.manifest import Manifest
 from ..core.onnx_wire import external_initializers
+from .mapped_file import MappedFile
 from .native_build import NativeUnavailable, contract, library
 from .thread_pool import core_cpus
 
@@ -132,26 +133,21 @@ def tiled(lib: ctypes.CDLL, codes: np.ndarray, scales: np.ndarray, tile: int, bi
     return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
 
 
-def _mapped(file: Path) -> tuple[mmap.mmap, np.ndarray]:
-    """A weights file mapped read-only from the page cache, each page read when first touched -> the mapping and
-    its bytes."""
-    with open(file, "rb") as handle:
-        memory = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(handle.fileno()).st_size else None
-    if memory is None:
-        return None, np.zeros(0, np.uint8)
-    return memory, np.frombuffer(memory, dtype=np.uint8)
-
-
 class GraphWeights:
-    """One graph's external initializers as arrays over its .data file (mapped), checked against the shapes the
-    native step reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each
-    weight are given back as soon as it is laid out, so a process never holds a layer twice."""
+    """One graph's external initializers as arrays over its .data file (mapped, and hashed in the same read where
+    the manifest's sha256 is still to check: runtime/mapped_file.py), checked against the shapes the native step
+    reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each weight are let
+    go of as soon as it is laid out, so a process never holds a layer twice."""
 
-    def __init__(self, path: Path, lib: ctypes.CDLL, tile: int = 64):
-        """lib: the native library (its k2_lay_out lays the tiles out); tile: the rows of a weight tile (its TILE)."""
-        self.path, self.lib, self.tile = path, lib, tile
-        self.tensors = external_initializers(path)
-        self.maps: dict[str, tuple[mmap.mmap | None, np.ndarray]] = {}
+    def __init__(self, manifest: Manifest, name: str, lib: ctypes.CDLL, tile: int = 64, drop: bool = False):
+        """lib: the native library (its k2_lay_out lays the tiles out); tile: the rows of a weight tile (its TILE);
+        drop: pages laid out leave the page cache too (MappedFile)."""
+        self.manifest, self.lib, self.tile = manifest, lib, tile
+        self.path = manifest.graph_file(name, hash_data=False)
+        self.data_name = manifest.graph_entry(name)["data"]
+        self.tensors = external_initializers(self.path)
+        self.file: MappedFile | None = None
+        self.sha256, self.drop = manifest.data_sha256(name), drop
         self.held: list[np.ndarray] = []  # arrays made here (widened, tiled), kept alive with the model
 
     def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
@@ -159,12 +155,9 @@ class GraphWeights:
         if spec is None or spec.dims != shape or spec.data_type not in types:
             found = "missing" if spec is None else f"{list(spec.dims)} of type {spec.data_type}"
             raise NativeUnavailable(f"{self.path.name}: {name} is {found}, the native step reads {list(shape)}")
-        file = (self.path.parent / spec.location).resolve()
-        if file.parent != self.path.parent.resolve():
-            raise K2Error(f"{self.path}: {name}'s data lies outside the artifact ({spec.location}); re-export it")
-        if spec.location not in self.maps:
-            self.maps[spec.location] = _mapped(file)
-        data = self.maps[spec.location][1]
+        if self.file is None:  # graph_file checked that every location is the graph's listed data file
+            self.file = MappedFile(self.manifest.path(self.data_name), self.sha256, self.drop)
+        data = self.file.bytes
         dtype = np.dtype(TYPES[spec.data_type])
         length = int(np.prod(shape)) * dtype.itemsize
         if spec.offset < 0 or spec.length not in (-1, length) or spec.offset + length > len(data):
@@ -195,23 +188,21 @@ class GraphWeights:
         return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
     def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
-        """`tiled`, kept alive with the model; the file's pages under each matrix given back once it is laid out."""
-        codes, scales = tiled(self.lib, codes, scales, self.tile, bits, self._give_back)
+        """`tiled`, kept alive with the model; the file's pages under each matrix let go of once it is laid out."""
+        codes, scales = tiled(self.lib, codes, scales, self.tile, bits, self.file.forget)
         return self.keep(codes), self.keep(scales)
 
-    def _give_back(self, source: np.ndarray) -> None:
-        """The mapped file pages under `source` (a view of one of this graph's files) leave this process's memory
-        (they stay in the page cache): read once, laid out, not read again."""
-        for memory, data in self.maps.values():
-            start = source.ctypes.data - data.ctypes.data
-            if memory is not None and 0 <= start < len(data) and hasattr(mmap, "MADV_DONTNEED"):
-                first = start // mmap.PAGESIZE * mmap.PAGESIZE
-                memory.madvise(mmap.MADV_DONTNEED, first, min(start + source.nbytes, len(data)) - first)
-                return
+    def checked(self) -> None:
+        """A K2Error unless the data file read through is the one the manifest lists (waits for its hash)."""
+        if self.file is not None and self.sha256 is not None:
+            self.manifest.check_sha256(self.data_name, self.file.hash())
 
     def release(self) -> None:
-        """Lets go of the data files: everything the step reads from them has been copied out."""
-        self.maps.clear()
+        """Checks the data file (`checked`), then lets go of it: everything the step reads from it is copied out."""
+        self.checked()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
 
 
 class NativeDecoder:
@@ -248,21 +239,21 @@ class NativeDecoder:
         if c.q_lora_rank is None:
             raise NativeUnavailable("it needs q_lora_rank (q_a_proj and q_b_proj)")
         names = [f"layer_{i:03d}" for i in range(c.num_hidden_layers)] + ["head"]
-        self.held_bytes = sum(manifest.graph_file(name).with_suffix(".data").stat().st_size for name in names
-                                if manifest.graph_file(name).with_suffix(".data").exists())
+        self.held_bytes = sum(manifest.data["files"][manifest.graph_entry(name)["data"]]["bytes"] for name in names)
         available = available_memory()
         if available is not None and self.held_bytes > available:
             raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
                                     f"memory of its own, and {available / 2**30:.1f} GiB is available")
         tile = built["tile"]
-        self.graphs = [GraphWeights(manifest.graph_file(name), self.lib, tile) for name in names[:-1]]
+        drop = available is not None and self.held_bytes > available // 2  # the file's pages and the tiles: not both
+        self.graphs = [GraphWeights(manifest, name, self.lib, tile, drop) for name in names[:-1]]
         layers = []
         for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
             layers.append(self._layer(index, g))
             g.release()
         self.layers = (Layer * c.num_hidden_layers)(*layers)
-        embed = GraphWeights(manifest.graph_file("embed"), self.lib)
-        head = GraphWeights(manifest.graph_file("head"), self.lib, tile)
+        embed = GraphWeights(manifest, "embed", self.lib)  # mapped, not laid out: a step reads one row
+        head = GraphWeights(manifest, "head", self.lib, tile, drop)
         self.graphs += [embed, head]
         table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
         dims = self._dims(max_len)
@@ -270,6 +261,7 @@ class NativeDecoder:
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         head.release()
+        embed.checked()
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)

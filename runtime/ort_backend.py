@@ -120,9 +120,7 @@ class OrtModel(HostCache):
         except LOAD_ERRORS as exc:
             reason = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             raise K2Error(f"{path}: ONNX Runtime cannot load this graph ({reason}); re-export the artifact") from None
-        entry = (self.manifest.graphs[name] if name in ("embed", "head")
-                 else self.manifest.graphs["layers"][int(name.removeprefix("layer_")) - self.manifest.graphs["layer_range"][0]])
-        check_against_graphs(self.manifest, [(entry, session)])
+        check_against_graphs(self.manifest, [(self.manifest.graph_entry(name), session)])
         return session
 
     @property

@@ -10,7 +10,6 @@ is the same object everywhere: in a Ray actor it is the actor's state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -36,8 +35,7 @@ class StageRunner:
         when threads is None. Of the graphs' files the stage hashes only its own (the other stages' are checked for
         their size)."""
         self.cpus = pin_to_share(host_index, host_share) if pin else None
-        manifest = load_manifest(artifact, hash_graphs=False)
-        manifest.verify(manifest.graph_files(stage_graphs(manifest, placement)))
+        manifest = load_manifest(artifact, hash_graphs=False)  # its graphs hashed as it opens them
         self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
                               layers=range(placement.start, placement.stop), device_id=device_id,
                               host_share=host_share if self.cpus is None else 1)  # pinned: its cores are its own
@@ -89,13 +87,6 @@ class StageRunner:
 
     def clear_stage_seconds(self) -> None:
         self.model.stage_seconds.clear()
-
-
-def stage_graphs(manifest, placement: Placement) -> list[str]:
-    """The graphs a stage runs: its layers, with the embedding when it is first and the head when it is last."""
-    first = manifest.graphs["layer_range"][0]
-    layers = [f"layer_{first + i:03d}" for i in range(placement.start, placement.stop)]
-    return ["embed"] * placement.first + layers + ["head"] * placement.last
 
 
 def device_id(placement: Placement) -> int | None:

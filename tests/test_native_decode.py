@@ -287,12 +287,30 @@ def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_ar
 
 
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):
-    weights = GraphWeights(load_manifest(tiny_cpu_artifact).graph_file("layer_000"), native_build.library())
+    weights = GraphWeights(load_manifest(tiny_cpu_artifact), "layer_000", native_build.library())
     with pytest.raises(NativeUnavailable, match="input_layernorm.weight is"):
         weights.floats("input_layernorm.weight", (7,))
     with pytest.raises(NativeUnavailable, match="missing"):
         weights.floats("no_such.weight", (7,))
 
+
+@pytest.mark.parametrize("graph", ["layer_001", "head", "embed"])
+def test_the_native_load_hashes_each_weights_file_in_the_read_that_lays_it_out(tiny_cpu_artifact, tmp_path, graph):
+    """With the graphs left unhashed at load (as generate and serve load an artifact), the native step checks
+    every data file it reads against the manifest's sha256 in the same read: an altered byte of one file is
+    refused by name, and an intact artifact leaves no file of the model unhashed."""
+    _native_or_skip(tiny_cpu_artifact)
+    intact = load_manifest(tiny_cpu_artifact, hash_graphs=False)
+    assert intact.unhashed == set(intact.graph_files())
+    NativeDecoder(intact, 1, 64)
+    assert intact.unhashed == set()
+    artifact = shutil.copytree(tiny_cpu_artifact, tmp_path / "artifact")
+    data = artifact / load_manifest(artifact).graph_entry(graph)["data"]
+    altered = bytearray(data.read_bytes())
+    altered[len(altered) // 2] ^= 0x01  # same size: only its hash tells
+    data.write_bytes(bytes(altered))
+    with pytest.raises(K2Error, match=f"file graphs/{graph}.data does not match its sha256"):
+        NativeDecoder(load_manifest(artifact, hash_graphs=False), 1, 64)
 
 def test_the_build_says_what_is_missing_and_leaves_only_finished_libraries(tmp_path, monkeypatch):
     monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path / "cache"))

@@ -1095,23 +1095,29 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
    of TILE rows (the rows past n zero) */
 void k2_lay_out(const uint8_t *codes, const float *scales, int n, int k, int blocks, int bits, uint8_t *w, float *s) {
     size_t row_bytes = (size_t)k * bits / 8, count = tiles(n);
-    int groups = k / (bits == 8 ? 4 : 8);  /* four-byte groups of a tile row */
-    for (size_t t = 0; t < count; t++) {
-        const uint8_t *rows[TILE];  /* the tile's source rows, NULL past n: written in order, read from cache */
-        for (int r = 0; r < TILE; r++) rows[r] = t * TILE + r < (size_t)n ? codes + (t * TILE + r) * row_bytes : NULL;
+    size_t groups = (size_t)k / (bits == 8 ? 4 : 8);  /* four-byte groups of a tile row */
+    for (size_t t = 0; t < count; t++, w += groups * TILE * 4, s += (size_t)blocks * TILE) {
+        size_t first = t * TILE, valid = first + TILE <= (size_t)n ? TILE : (size_t)n - first;
         for (int j = 0; j < blocks; j++)
-            for (int r = 0; r < TILE; r++) *s++ = rows[r] ? scales[(t * TILE + r) * blocks + j] : 0;
-        for (int g = 0; g < groups; g++)
-            for (int r = 0; r < TILE; r++, w += 4) {
-                const uint8_t *src = rows[r];
-                if (!src) { memset(w, 0, 4); continue; }
-                if (bits == 8) { memcpy(w, src + 4 * g, 4); continue; }
-                const uint8_t *b = src + 4 * g;  /* inputs 8 g .. 8 g + 7, two a byte, the lower one low */
-                w[0] = (uint8_t)((b[0] & 15) | (b[2] << 4));  /* input 8 g + i low, 8 g + 4 + i high */
-                w[1] = (uint8_t)((b[0] >> 4) | (b[2] & 0xF0));
-                w[2] = (uint8_t)((b[1] & 15) | (b[3] << 4));
-                w[3] = (uint8_t)((b[1] >> 4) | (b[3] & 0xF0));
+            for (size_t r = 0; r < TILE; r++) s[(size_t)j * TILE + r] = r < valid ? scales[(first + r) * blocks + j] : 0;
+        if (valid < TILE) memset(w, 0, groups * TILE * 4);  /* the rows past n stay zero */
+        /* a row at a time: its source read in order, its four-byte groups written TILE * 4 bytes apart into the tile
+           (k * TILE bytes at most: in L2 while its rows are written) */
+        for (size_t r = 0; r < valid; r++) {
+            const uint8_t *src = codes + (first + r) * row_bytes;
+            uint8_t *out = w + r * 4;
+            if (bits == 8) {
+                for (size_t g = 0; g < groups; g++) memcpy(out + g * TILE * 4, src + 4 * g, 4);
+                continue;
             }
+            for (size_t g = 0; g < groups; g++, src += 4, out += TILE * 4) {
+                /* inputs 8 g .. 8 g + 7, two a byte, the lower one low -> input 8 g + i low, 8 g + 4 + i high */
+                out[0] = (uint8_t)((src[0] & 15) | (src[2] << 4));
+                out[1] = (uint8_t)((src[0] >> 4) | (src[2] & 0xF0));
+                out[2] = (uint8_t)((src[1] & 15) | (src[3] << 4));
+                out[3] = (uint8_t)((src[1] >> 4) | (src[3] & 0xF0));
+            }
+        }
     }
 }
 
