@@ -19,7 +19,7 @@ MAX_TOP_LOGPROBS = 20
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: no limit
+    top_k: int = 0  # 0 (or the vocabulary or more): no limit
     top_p: float = 1.0
     min_p: float = 0.0  # drops tokens less likely than min_p x the likeliest one's probability
     seed: int | None = None
@@ -76,7 +76,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     if params.temperature == 0:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature
-    if params.top_k:
+    if 0 < params.top_k < scaled.shape[0]:  # a top_k of the vocabulary or more keeps every token
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
         scaled = np.where(scaled < kth, -np.inf, scaled)
     probs = np.exp(scaled - scaled.max())
@@ -116,6 +116,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
     OpenAI reports them) and the `top` likeliest (id, log-probability), likeliest first."""
     shifted = logits.astype(np.float64) - logits.max()
     logprobs = shifted - np.log(np.exp(shifted).sum())
+    top = min(top, logprobs.shape[0])
     best = np.argpartition(-logprobs, top - 1)[:top] if top else np.empty(0, dtype=np.int64)
     best = best[np.argsort(-logprobs[best], kind="stable")]
     return float(logprobs[token]), tuple((int(i), float(logprobs[i])) for i in best)

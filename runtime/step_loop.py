@@ -89,15 +89,11 @@ class StepLoop:
     def running(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
         for request in self.scheduler.admit(self._fits):  # into slots released when their last request left
-            held = self.cache.admit(request.slot, request.feed_ids)
-            leader = request.after
-            if leader is not None and leader.slot is not None and not leader.done and held < len(request.feed_ids) - 1:
-                held = self.cache.follow(request.slot, leader.slot, request.feed_ids)  # its prefill's last page too
-            request.admitted(held)
-            self.admissions += 1
-            request.admission = self.admissions
-            if self.metrics:
-                self.metrics.cached_prompt_tokens.inc(request.cached)
+            try:
+                self._admit(request)
+            except Exception as exc:  # fails this request alone
+                log.exception("a request's admission failed; the step goes on for the others")
+                self._fail(request, exc)
         running = []
         for request in self.scheduler.running():
             if request.cancelled:
@@ -105,6 +101,18 @@ class StepLoop:
             else:
                 running.append(request)
         return running
+
+    def _admit(self, request: GenerationRequest) -> None:
+        """A request that has just taken a slot: its cached prefix found (or the pages its leader fills)."""
+        held = self.cache.admit(request.slot, request.feed_ids)
+        leader = request.after
+        if leader is not None and leader.slot is not None and not leader.done and held < len(request.feed_ids) - 1:
+            held = self.cache.follow(request.slot, leader.slot, request.feed_ids)  # its prefill's last page too
+        request.admitted(held)
+        self.admissions += 1
+        request.admission = self.admissions
+        if self.metrics:
+            self.metrics.cached_prompt_tokens.inc(request.cached)
 
     def prefill(self, running: list[GenerationRequest]) -> None:
         """The next prompt chunk of each request still prefilling, in one forward; a completed prompt's first token."""
@@ -217,33 +225,42 @@ class StepLoop:
             return None
 
     def _emit(self, requests: list[GenerationRequest], logits: np.ndarray) -> None:
-        """Samples each request's next token from its logits row and sends it; finished requests leave."""
+        """Samples each request's next token from its logits row and sends it; finished requests leave. Whatever
+        fails in one request's part (its grammar, sampling, text, tool calls) fails that request alone."""
         for request, row in zip(requests, logits):
-            previous_at, generated = request.last_token_at, len(request.generated)
-            started = time.perf_counter()
-            params, constraint = request.params, request.constraint
-            allowed = row if constraint is None else constraint.allowed(row)
-            token = sample(allowed, params, request.rng, request.prompt_ids, request.generated)
-            if constraint is not None and token not in params.stop_ids:
-                constraint.consume(token)
-            logprob = None if params.logprobs is None else TokenLogprob(token, *token_logprobs(row, token, params.logprobs))
-            self.sampling_seconds += time.perf_counter() - started
-            update = request.accept(token, logprob)
-            if self.metrics:
-                if previous_at is None:
-                    self.metrics.ttft.observe(request.first_token_at - request.arrived_at)
-                else:
-                    self.metrics.per_token.observe(request.last_token_at - previous_at)
-                self.metrics.generated_tokens.inc(len(request.generated) - generated)
-            self.send(request, update)
-            if request.done:
-                self._leave(request, request.finish_reason)
+            try:
+                self._next_token(request, row)
+            except Exception as exc:
+                log.exception("a request's token failed; the step goes on for the others")
+                self._fail(request, exc)
+
+    def _next_token(self, request: GenerationRequest, row: np.ndarray) -> None:
+        previous_at, generated = request.last_token_at, len(request.generated)
+        started = time.perf_counter()
+        params, constraint = request.params, request.constraint
+        allowed = row if constraint is None else constraint.allowed(row)
+        token = sample(allowed, params, request.rng, request.prompt_ids, request.generated)
+        if constraint is not None and token not in params.stop_ids:
+            constraint.consume(token)
+        logprob = None if params.logprobs is None else TokenLogprob(token, *token_logprobs(row, token, params.logprobs))
+        self.sampling_seconds += time.perf_counter() - started
+        update = request.accept(token, logprob)
+        if self.metrics:
+            if previous_at is None:
+                self.metrics.ttft.observe(request.first_token_at - request.arrived_at)
+            else:
+                self.metrics.per_token.observe(request.last_token_at - previous_at)
+            self.metrics.generated_tokens.inc(len(request.generated) - generated)
+        self.send(request, update)
+        if request.done:
+            self._leave(request, request.finish_reason)
 
     def _fail(self, request: GenerationRequest, exc: Exception) -> None:
         log.info("request failed: %s", exc)  # the server logs it; `generate` raises it as its one-line error
         request.error = str(exc)
         self.send(request, Update(error=f"generation failed: {exc}"))
-        self._leave(request, "error")
+        if request.slot is not None:  # not left already
+            self._leave(request, "error")
 
     def _leave(self, request: GenerationRequest, reason: str) -> None:
         self.scheduler.leave(request)

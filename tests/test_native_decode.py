@@ -369,6 +369,51 @@ def test_sixteen_concurrent_requests_get_their_solo_tokens_and_logprobs_to_the_b
     assert together == alone
 
 
+class _BreakingGrammar:
+    """A grammar stand-in that allows every token for `good` tokens, then breaks: its matcher raises ("consume"), or
+    it forbids every token, so that sampling raises ("sample")."""
+
+    def __init__(self, good: int, how: str):
+        self.good, self.how, self.read = good, how, 0
+
+    def allowed(self, logits: np.ndarray) -> np.ndarray:
+        return np.full_like(logits, -np.inf) if self.how == "sample" and self.read >= self.good else logits
+
+    def consume(self, token: int) -> None:
+        self.read += 1
+        if self.how == "consume" and self.read > self.good:
+            raise K2Error("the matcher broke")
+
+
+def test_a_request_whose_grammar_or_sampler_fails_fails_alone(tiny_cpu_artifact):
+    """A batch of 8 where one request's grammar raises mid-decode and another's sampling does: those two get an
+    error and leave, the step goes on, and the other 6 finish with their solo tokens and logprobs."""
+    model = _native_or_skip(tiny_cpu_artifact)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(2, 1000, int(n)).tolist() for n in rng.integers(3, 40, 8)]
+    params = SamplingParams(max_new_tokens=10, logprobs=1)
+    alone = [_greedy(model, [prompt], params)[0] for prompt in prompts]
+    loop = StepLoop(model, len(prompts), 64, max_queue=0)
+    got = [[] for _ in prompts]
+    errors: dict[int, str] = {}
+    broken = {2: _BreakingGrammar(3, "consume"), 5: _BreakingGrammar(4, "sample")}
+
+    def deliver(update, row):
+        got[row].extend(update.logprobs)
+        if update.error:
+            errors[row] = update.error
+
+    for row, prompt in enumerate(prompts):
+        loop.submit(GenerationRequest(list(prompt), params, (), None, lambda update, row=row: deliver(update, row),
+                                      constraint=broken.get(row)))
+    loop.run_until_done()
+    assert set(errors) == {2, 5}
+    assert "the matcher broke" in errors[2] and "no token may come next" in errors[5]
+    assert [got[row] for row in range(8) if row not in broken] == [alone[row] for row in range(8) if row not in broken]
+    assert got[2] == alone[2][:3] and got[5] == alone[5][:4]  # what each sent before it broke
+    assert loop.scheduler.running() == [] and loop.cache.pool.used == 0
+
+
 @pytest.mark.parametrize("chunk", [1, 64])
 def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_artifact, chunk):
     """A 300-token prompt through the native step whole (up to 512 tokens a step), or 64 or 1 token a step: the

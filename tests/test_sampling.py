@@ -43,6 +43,13 @@ def test_top_k_keeps_the_k_likeliest():
     assert _draws(SamplingParams(temperature=2.0, top_k=2)) == {0, 1}
 
 
+@pytest.mark.parametrize("top_k", [5, 6, 10**9])
+def test_a_top_k_of_the_vocabulary_or_more_keeps_every_token(top_k):
+    assert _draws(SamplingParams(temperature=3.0, top_k=top_k), n=2000) == {0, 1, 2, 3, 4}
+    logprob, top = token_logprobs(LOGITS, 0, top_k)  # as many as there are, likeliest first
+    assert [token for token, _ in top] == [0, 1, 3, 2, 4]
+
+
 def test_token_logprobs_are_the_log_softmax_of_the_raw_logits():
     logprob, top = token_logprobs(LOGITS, 3, 3)
     expected = LOGITS.astype(np.float64) - np.log(np.exp(LOGITS.astype(np.float64)).sum())
