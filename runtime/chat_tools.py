@@ -17,17 +17,22 @@ import re
 from dataclasses import dataclass
 
 from ..core.errors import K2Error
+from .schema_limits import check_schema
 from .tool_calls import KIMI_K2_MARKERS
 
 # OpenAI's rule for function names; it also keeps marker text out of a forced header.
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 CHOICES = ("none", "auto", "required")
+MAX_TOOLS = 128  # tools one request declares, at most (as OpenAI)
 
 
 def check_tools(tools, where: str = "tools") -> list[dict]:
-    """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}]."""
+    """OpenAI's `tools`: [{"type": "function", "function": {"name", "description"?, "parameters"?, "strict"?}}],
+    at most MAX_TOOLS, each schema within runtime/schema_limits.py's limits."""
     if not isinstance(tools, list):
         raise K2Error(f"`{where}` must be an array of tools")
+    if len(tools) > MAX_TOOLS:
+        raise K2Error(f"`{where}` declares {len(tools)} tools; at most {MAX_TOOLS} may be declared")
     names = []
     for i, tool in enumerate(tools):
         at = f"{where}[{i}]"
@@ -45,6 +50,7 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
             raise K2Error(f"`{at}.function.description` must be a string")
         if not isinstance(function.get("parameters", {}), dict):
             raise K2Error(f"`{at}.function.parameters` must be a JSON Schema object")
+        check_schema(function.get("parameters", {}), f"`{at}.function.parameters`")
         names.append(name)
     if len(set(names)) != len(names):
         raise K2Error(f"`{where}` declares a function name twice")

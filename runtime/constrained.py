@@ -19,10 +19,22 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.errors import K2Error
+from .schema_limits import SchemaTooLarge, check_schema
 from .tool_calls import KIMI_K2_MARKERS
 
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a random or weak model cannot pad it forever
 MAX_CALL_INDEX_DIGITS = 3
+
+
+def parser_limits():
+    """The engine's limits, stated rather than left to its version's defaults: its fuel bounds the work of a
+    compile and of each step's mask (a grammar past them is an error for its request, never a stall), and a
+    schema within runtime/schema_limits.py's limits stays inside them (its widest object about half a row)."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+                          step_max_items=50_000, max_lexer_states=250_000, max_grammar_size=500_000,
+                          verbose_errors=False)
 
 
 class GrammarError(K2Error):
@@ -89,7 +101,7 @@ def _arguments_schema(function: dict) -> dict:
     from llguidance import LLMatcher
 
     schema = _compact(function.get("parameters") or {"type": "object", "properties": {}})
-    errors = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
+    errors = LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema), limits=parser_limits())
     if not errors:
         return schema
     if function.get("strict"):
@@ -99,8 +111,13 @@ def _arguments_schema(function: dict) -> dict:
 
 
 def _compact(schema: dict) -> dict:
+    """The schema as the engine takes it (JSON_OPTIONS), once it is within runtime/schema_limits.py's limits."""
     if not isinstance(schema, dict):
         raise GrammarError(f"a JSON schema must be an object, got {json.dumps(schema)[:100]}")
+    try:
+        check_schema(schema)
+    except SchemaTooLarge as exc:
+        raise GrammarError(str(exc)) from None
     return {**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}}
 
 
@@ -119,10 +136,10 @@ class Grammars:
 
         if self._vocabulary is None:
             self._vocabulary = self.tokenizer.grammar_tokenizer(self.vocab_size)
-        errors = LLMatcher.validate_grammar(grammar, self._vocabulary)
+        errors = LLMatcher.validate_grammar(grammar, self._vocabulary, limits=parser_limits())
         if errors:
             raise GrammarError(f"the schema or grammar cannot be enforced: {errors}")
-        matcher = LLMatcher(self._vocabulary, grammar)
+        matcher = LLMatcher(self._vocabulary, grammar, limits=parser_limits())
         if forced_ids and matcher.consume_tokens(list(forced_ids)) is False or matcher.is_error():
             raise GrammarError(f"the answer's forced start does not fit its grammar: {matcher.get_error()}")
         return Constraint(matcher, self.vocab_size)

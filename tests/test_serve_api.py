@@ -466,8 +466,20 @@ def test_tool_calls_at_temperature_1_name_declared_tools_with_valid_arguments(se
     assert not any(a.message.tool_calls or a.finish_reason == "tool_calls" for a in plain)
 
 
+def _ref_chain(links: int) -> dict:
+    """An object schema nested `links` deep through a chain of $defs, each referring to the next."""
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"],
+                      "additionalProperties": False} for i in range(links)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{links}": {"type": "string"}}}
+
+
+WIDE = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}, "additionalProperties": False}
+
+
 @pytest.mark.parametrize("response_format, words", [
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}}, "cannot be enforced"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": _ref_chain(1000)}}, "more than 64 deep"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": WIDE}}, "an object of 600 properties (at most 256)"),
     ({"type": "json_schema", "json_schema": {"schema": {}}}, "must be {\"name\""),
     ({"type": "yaml"}, "text, json_object or json_schema"),
 ])
@@ -475,6 +487,19 @@ def test_a_response_format_that_cannot_be_enforced_is_a_400(server, response_for
     answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": response_format})
     assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text
+
+
+def test_a_tools_schema_past_the_limits_is_a_400_and_the_server_goes_on(server):
+    """The chain of 1,000 $refs that crashed the grammar engine, and 600 properties that failed a whole step
+    mid-answer, are refused before admission, naming the limit; the server then answers as before."""
+    for schema, words in ((_ref_chain(1000), "more than 64 deep"), (WIDE, "600 properties")):
+        answer = httpx.post(f"{server.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": schema}}]})
+        assert answer.status_code == 400 and words in answer.json()["error"]["message"], answer.text
+        assert answer.json()["error"]["param"] == "tools"
+    assert httpx.post(f"{server.url}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code == 200
 
 
 def test_n_choices_share_one_prefill_of_their_prompt(server, tokenizer):

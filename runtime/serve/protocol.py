@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from ...core.errors import K2Error
 from ...core.json_files import loads
 from ..chat_tools import check_tool_choice, check_tools
+from ..schema_limits import SchemaTooLarge, check_schema
 from ..requests import TokenLogprob
 from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 
@@ -202,6 +203,10 @@ def _response_format(body: dict, tools: list[dict] | None) -> dict:
     if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema", {}), dict):
         raise bad_request('`response_format.json_schema` must be {"name": ..., "schema": {...}[, "strict": ...]}',
                           param="response_format")
+    try:
+        check_schema(spec.get("schema", {}), "`response_format.json_schema.schema`")
+    except SchemaTooLarge as exc:
+        raise bad_request(str(exc), param="response_format") from None
     return {"json_answer": True, "json_schema": spec.get("schema", {})}
 
 

@@ -1,0 +1,69 @@
+"""Third round of hostile input: schemas bounded before the grammar engine compiles them (a chain of 1,000 $refs
+crashed it, 600 properties failed an answer mid-way), a top_k past the vocabulary, each a one-line refusal or a
+sensible answer, never a crash or a traceback."""
+
+import json
+
+import pytest
+
+from cli import run_cli
+from k2deploy.core.errors import K2Error
+from k2deploy.runtime.chat_tools import MAX_TOOLS, check_tools
+from k2deploy.runtime.schema_limits import LIMITS, SchemaTooLarge, check_schema
+
+
+def _chain(links: int) -> dict:
+    defs = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["a"]}
+            for i in range(links)}
+    return {"$ref": "#/$defs/d0", "$defs": {**defs, f"d{links}": {"type": "string"}}}
+
+
+def _tool(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+@pytest.mark.parametrize("schema, words", [
+    (_chain(1000), "more than 64 deep"),
+    ({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(600)}}, "600 properties"),
+    ({"enum": list(range(5000))}, "an enum of 5000 values"),
+    ({"anyOf": [{"type": "object", "properties": {f"p{j}": {"type": "integer"} for j in range(200)}}
+                for _ in range(60)]}, "more than 10000 schemas"),
+])
+def test_schemas_past_a_limit_are_refused_naming_it(schema, words):
+    with pytest.raises(SchemaTooLarge, match=words):
+        check_schema(schema)
+    with pytest.raises(SchemaTooLarge, match=f"`tools\\[0\\].function.parameters` .*{words}"):
+        check_tools(_tool(schema))
+
+
+def test_schemas_within_the_limits_pass_recursive_and_shared_ones_too():
+    tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}
+    shared = {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "number"}}}},
+              "type": "object", "properties": {f"p{i}": {"$ref": "#/$defs/point"} for i in range(LIMITS.properties)}}
+    for schema in (tree, shared, _chain(LIMITS.depth - 2), {"enum": list(range(LIMITS.enum))}):
+        check_schema(schema)
+
+
+def test_more_tools_than_openai_allows_are_refused():
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
+    with pytest.raises(K2Error, match=f"declares {MAX_TOOLS + 1} tools; at most {MAX_TOOLS}"):
+        check_tools(tools)
+
+
+def test_generate_with_a_thousand_deep_tools_schema_is_one_line(tiny_cpu_artifact, tmp_path):
+    """It exited 139 (a segfault inside the grammar engine)."""
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(_tool(_chain(1000))))
+    refused = run_cli("generate", tiny_cpu_artifact, "--chat", "--prompt", "hi", "--tools", tools)
+    assert refused.returncode == 2 and "more than 64 deep" in refused.stderr, refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("top_k", ["1025", str(10**9)])
+def test_generate_with_a_top_k_past_the_vocabulary_samples_from_all_of_it(tiny_cpu_artifact, top_k):
+    """It was a traceback ("kth out of bounds"); OpenAI-compatible servers take it as no limit."""
+    done = run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2,3", "--max-new-tokens", "3",
+                   "--temperature", "1", "--top-k", top_k, "--seed", "1", "--json")
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(json.loads(done.stdout)["token_ids"]) == 3
