@@ -14,8 +14,10 @@ Rules:
   one), and ``call_begin`` or ``section_end`` while a call is open ends that call incomplete;
   only ``call_end`` makes a call ``complete``.
 - A call's first delta (id, name) comes when its header ends: at ``argument_begin``, or with
-  arguments "" at ``call_end``, an interrupting marker or ``finish``. Argument text follows as
-  it arrives. ``finish`` with a call open leaves it ``complete=False`` with what it has.
+  arguments "" at ``call_end``. A header cut off (by ``finish``, ``call_begin`` or ``section_end``)
+  is dropped with its text: its name may be cut short, and a client dispatching by name must never
+  get a name no tool has. Argument text follows as it arrives. ``finish`` with a call's arguments
+  open leaves it ``complete=False`` with what it has.
 - Arguments are verbatim, not validated: malformed JSON passes through, so validate before
   use, as OpenAI advises. Only a real marker (a special token, never inside JSON) ends them.
 - Whatever the chunking, the deltas add up to ``content`` and to each call's ``arguments``.
@@ -172,8 +174,11 @@ class ToolCallParser:
         self.calls.append(ToolCall(call_id, name, "", complete=False))
 
     def _end_call(self, complete: bool) -> None:
-        """End the open call, if any; a header still open becomes a call with arguments ""."""
+        """End the open call, if any; a header still open becomes a call with arguments "" where call_end ends
+        it (complete), and is dropped where it is cut off."""
         if self._state == _HEADER:
+            if not complete:
+                return
             self._open_call()
         if self._state in (_HEADER, _ARGUMENTS):
             self.calls[-1].complete = complete

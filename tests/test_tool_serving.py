@@ -122,12 +122,18 @@ def test_required_and_named_choices_force_the_call(server, tokenizer, tool_choic
                                           + len(tokenizer.encode(forced, allow_special=True)))
 
 
-def test_a_call_cut_off_by_max_tokens_ends_with_length(server):
-    """Documented: finish_reason "length", the calls begun so far in tool_calls, never marker text in content."""
-    choice = _ask(server, max_tokens=4).choices[0]
-    assert choice.finish_reason == "length"
-    assert [c.function.arguments for c in choice.message.tool_calls] == [""]
-    assert not any(m in (choice.message.content or "") for m in MARKERS)
+def test_a_call_cut_off_by_max_tokens_ends_with_length(server, tokenizer):
+    """Documented: finish_reason "length"; a call whose name is complete is in tool_calls with the arguments
+    written so far; one cut inside its name is no call (a client dispatching by name never gets a name no tool
+    has); never marker text in content."""
+    header = tokenizer.encode(ANSWER[:ANSWER.index("{}")], allow_special=True)
+    named = _ask(server, max_tokens=len(header)).choices[0]
+    assert named.finish_reason == "length"
+    assert [(c.function.name, c.function.arguments) for c in named.message.tool_calls] == [("bakery", "")]
+    for cut in range(1, len(header)):
+        choice = _ask(server, max_tokens=cut).choices[0]
+        assert choice.finish_reason == "length" and not choice.message.tool_calls, cut
+        assert not any(m in (choice.message.content or "") for m in MARKERS)
 
 
 def test_a_named_function_that_is_not_declared_is_a_400(server):
