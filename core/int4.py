@@ -9,18 +9,18 @@ A quantised projection P [out, in] is stored as
   value = (code - 8) x scale of its group. Symmetric: no zero point.
 The config's `quantization_config` names the scheme (one group of weights: num_bits 4, type int, symmetric,
 strategy group) and an `ignore` list of module names (exact, or `re:` patterns matched from the name's start,
-as compressed-tensors matches them) that stay BF16. Everything here is numpy: the runtime reads nothing of it,
-the exporter and the checkpoint reader do.
+as compressed-tensors matches them, but by RE2, in time linear in the name) that stay BF16. Everything here is
+numpy: the runtime reads nothing of it, the exporter and the checkpoint reader do.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
 import ml_dtypes
 import numpy as np
+import re2
 
 from .errors import K2Error
 
@@ -32,6 +32,8 @@ LARGEST = 7  # symmetric codes -8..7; the quantiser uses -7..7 so that the scale
 PER_WORD = 32 // BITS
 MAX_IGNORE = 4096  # entries of `ignore`: bounded, as every name is matched against them
 MAX_PATTERN = 512  # characters of one entry
+RE2_OPTIONS = re2.Options()
+RE2_OPTIONS.log_errors = False  # a pattern RE2 refuses is a one-line error of ours, not a log line on stderr
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,10 @@ class Int4Scheme:
 
 
 @lru_cache(maxsize=MAX_IGNORE)
-def _pattern(text: str) -> re.Pattern:
-    return re.compile(text)
+def _pattern(text: str):
+    """`text` compiled by RE2, whose matching never backtracks: Python's `re` takes time exponential in the
+    name's length for a pattern such as `(.+)+z$`, and `ignore` comes with the checkpoint."""
+    return re2.compile(text, RE2_OPTIONS)
 
 
 def _matches(entry: str, module: str) -> bool:
@@ -100,9 +104,16 @@ def parse_scheme(q: dict, source: str) -> Int4Scheme:
         if entry.startswith("re:"):
             try:
                 _pattern(entry[3:])
-            except re.error as error:
-                need(False, f"ignore pattern {entry!r} is not a regular expression ({error})")
+            except re2.error as error:
+                need(False, f"ignore pattern {entry!r} is not a regular expression RE2 matches ({_reason(error)}); "
+                            f"rewrite it in RE2 syntax: Python's, less lookaround and backreferences")
     return Int4Scheme(size, tuple(ignore))
+
+
+def _reason(error: re2.error) -> str:
+    """RE2's message, which it gives as bytes."""
+    reason = error.args[0] if error.args else error
+    return reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
 
 
 # -- codes and words ----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import onnx
 import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+from compressed_tensors.utils.match import match_name
 
 from k2deploy.core import int4
 from k2deploy.core.checkpoint import layout
@@ -211,12 +212,40 @@ def _config_with(**changes) -> dict:
     ({"group_size": 64}, "group_size 64 does not divide the input width 96"),
     ({"ignore": "lm_head"}, "ignore must be a list"),
     ({"ignore": ["re:(unclosed"]}, "is not a regular expression"),
+    ({"ignore": ["re:(?!.*experts).*"]}, "rewrite it in RE2 syntax"),  # lookahead: Python's re, not RE2
 ])
 def test_an_int4_scheme_this_reader_cannot_read_is_one_line_naming_the_field(changes, said):
     with pytest.raises(K2Error, match="quantization_config") as error:
         config = ModelConfig.from_dict(_config_with(**changes))
         layout.all_tensors(config)  # where a group that does not divide some projection's width shows
     assert said in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("entry", ["lm_head", "model.layers.0.mlp.gate_proj", "re:.*mlp.gate$", "re:.*self_attn.*",
+                                   r"re:.*mlp\.(gate|up|gate_up|down)_proj.*", r"re:model\.layers\.1\.mlp\.experts\.1",
+                                   r"re:.*experts\.(0|2)\..*_proj$", "re:layers"])
+def test_ignore_entries_match_as_compressed_tensors_matches_them(entry):
+    """From the name's start, not necessarily to its end (`re.match`): experts.1 covers experts.10 to 15 too."""
+    names = [s.name.rsplit(".", 1)[0] for s in layout.all_tensors(preset_config("tiny")) if s.role == "proj"]
+    names += ["lm_head", "model.layers.1.mlp.gate"]
+    scheme = int4.Int4Scheme(32, (entry,))
+    theirs = [match_name(name, entry) for name in names]
+    assert [not scheme.quantizes(name) for name in names] == theirs
+
+
+def test_a_backtracking_ignore_pattern_takes_no_time(tmp_path):
+    """`(.+)+z$` takes Python's `re` hours on a 40-character name (0.23 s at 22, x4 for every two more); these
+    names are up to 43. Matched by RE2, a nested pattern also ignores what it should."""
+    ignore = ["lm_head", "re:(.+)+z$", "re:(.*self_attn.*)+$", "re:.*shared_experts.*",
+              r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]
+    made = run_cli("make-checkpoint", tmp_path / "c", "--format", "int4", "--set",
+                   f"quantization_config.ignore={json.dumps(ignore)}")
+    assert made.returncode == 0, made.stderr
+    stored = json.loads((tmp_path / "c" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.self_attn.kv_a_proj_with_mqa.weight" in stored  # BF16: ignored
+    assert "model.layers.1.mlp.experts.3.down_proj.weight_packed" in stored  # INT4: no name ends in z
+    inspected = run_cli("inspect", tmp_path / "c")
+    assert inspected.returncode == 0 and "int4" in inspected.stdout, inspected.stderr
 
 
 def _damage(checkpoint, name: str, change) -> None:
