@@ -11,7 +11,7 @@ from pathlib import Path
 from ..core.cache_format import NAMES as CACHE_FORMATS
 from ..core.checkpoint.presets import WEIGHT_FORMATS
 from ..core.targets import TARGETS
-from .command import run_command
+from .command import run_command, sigterm_as_interrupt
 from ..core.errors import K2Error
 from ..core.json_files import loads
 from .bench_command import add_bench_parser
@@ -34,8 +34,8 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     config = preset_config(args.preset, layers=args.layers, overrides=args.set or [], weights=args.format)
     total = checkpoint_bytes(config)
     started = time.perf_counter()
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {args.preset}", disable=args.json or None,
-              file=sys.stderr) as bar:
+    with sigterm_as_interrupt(), tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {args.preset}",
+                                      disable=args.json or None, file=sys.stderr) as bar:
         out = write_checkpoint(Path(args.out), config, seed=args.seed, shard_bytes=SHARD_BYTES[args.preset],
                                force=args.force, on_bytes=bar.update)
     result = {"path": str(out), "preset": args.preset, "format": args.format, "bytes": total,
@@ -98,7 +98,8 @@ def cmd_export(args: argparse.Namespace) -> None:
                                      opset=args.opset, target=target, weights=args.weights)
     started = time.perf_counter()
     terminal = sys.stderr.isatty()
-    with tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or not terminal, file=sys.stderr) as bar:
+    with sigterm_as_interrupt(), tqdm(unit="B", unit_scale=True, desc="export", disable=args.json or not terminal,
+                                      file=sys.stderr) as bar:
         shown = [""]
 
         def progress(nbytes: int, label: str) -> None:

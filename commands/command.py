@@ -1,4 +1,5 @@
-"""Running one CLI command: a K2Error becomes one line on stderr and exit code 2, Ctrl-C exit code 130.
+"""Running one CLI command: a K2Error becomes one line on stderr and exit code 2, Ctrl-C exit code 130, and
+SIGTERM, where the command stops on it as on Ctrl-C (`sigterm_as_interrupt`), exit code 143.
 
 So do the two failures of the machine around it: a full disk (ENOSPC) and an output closed early (a pipe
 into `head`); neither leaves a traceback.
@@ -8,10 +9,31 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 from ..core.errors import K2Error
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program was, so that what cleans up after Ctrl-C cleans up after it too."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block SIGTERM raises Terminated, where it would otherwise end the process on the spot and leave
+    what it was writing half-written."""
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def run_command(name: str, action: Callable[[], None]) -> int:
@@ -21,6 +43,9 @@ def run_command(name: str, action: Callable[[], None]) -> int:
     except K2Error as exc:
         print(f"k2deploy {name}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"k2deploy {name}: stopped by SIGTERM", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"k2deploy {name}: interrupted", file=sys.stderr)
         return 130

@@ -58,21 +58,42 @@ def io_spec(values: Iterable[ir.Value]) -> list[dict]:
 def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory: Path, stem: str,
                 initializer_bytes: Callable[[str], Iterable[np.ndarray]],
                 on_bytes: Callable[[int], None] = lambda n: None) -> dict[str, dict]:
-    """Writes `stem.onnx` and `stem.data` into directory, each via a temporary name renamed at the end.
+    """Writes `stem.onnx` and `stem.data` into directory, each via a temporary name renamed at the end; an
+    exception, Ctrl-C included, removes the temporary files.
 
     initializer_bytes(name) gives the pieces whose concatenation is that initializer's data.
     Returns each written file's name -> {bytes, sha256}; the data is hashed as it is written, not read back.
     """
+    data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
+    data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"
+    try:
+        data_bytes, data_digest = _write_data(model, directory, data_name, data_partial, initializer_bytes, on_bytes)
+        onnx.save(_graph_proto(model, functions, stem), graph_partial)
+        os.replace(data_partial, directory / data_name)
+        os.replace(graph_partial, directory / graph_name)
+    except BaseException:
+        data_partial.unlink(missing_ok=True)
+        graph_partial.unlink(missing_ok=True)
+        raise
+    return {
+        graph_name: {"bytes": (directory / graph_name).stat().st_size, "sha256": sha256_file(directory / graph_name)},
+        data_name: {"bytes": data_bytes, "sha256": data_digest},
+    }
+
+
+def _write_data(model: ir.Model, directory: Path, data_name: str, path: Path,
+                initializer_bytes: Callable[[str], Iterable[np.ndarray]],
+                on_bytes: Callable[[int], None]) -> tuple[int, str]:
+    """Streams every initializer into `path`, aligned, pointing the model's initializers at `data_name` in
+    `directory`; -> (bytes written, their sha256)."""
     digest = hashlib.sha256()
 
     def write(f, data) -> None:
         f.write(data)
         digest.update(data)
 
-    data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
-    data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"
     offset = 0
-    with open(data_partial, "wb") as f:
+    with open(path, "wb") as f:
         for name, value in model.graph.initializers.items():
             pad = -offset % ALIGNMENT
             write(f, b"\0" * pad)
@@ -89,16 +110,14 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
             value.const_value = ir.ExternalTensor(data_name, offset, length, value.dtype, shape=value.shape,
                                                   name=name, base_dir=directory)
             offset += length
+    return offset, digest.hexdigest()
+
+
+def _graph_proto(model: ir.Model, functions: list[onnx.FunctionProto], stem: str) -> onnx.ModelProto:
     proto = ir.serde.serialize_model(model)
     for node in proto.graph.node:
         del node.metadata_props[:]  # the tracer's per-node source notes: half the file, of no use at run time
     proto.metadata_props.add(key=GRAPH_KEY, value=stem)  # the runtime checks each graph is the one its place names
     used = {(node.domain, node.op_type) for node in proto.graph.node}
     proto.functions.extend(f for f in functions if (f.domain, f.name) in used)
-    onnx.save(proto, graph_partial)
-    os.replace(data_partial, directory / data_name)
-    os.replace(graph_partial, directory / graph_name)
-    return {
-        graph_name: {"bytes": (directory / graph_name).stat().st_size, "sha256": sha256_file(directory / graph_name)},
-        data_name: {"bytes": offset, "sha256": digest.hexdigest()},
-    }
+    return proto

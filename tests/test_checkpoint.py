@@ -104,6 +104,24 @@ def test_parameter_count_from_headers_equals_the_formula(tiny_checkpoint):
     assert formula.total == sum(s.numel for s in layout.all_tensors(checkpoint.config) if s.role != "scale")
 
 
+@pytest.mark.parametrize("preset, weights, extra_ignore", [
+    ("tiny", "fp8", []), ("small", "fp8", []), ("tiny", "int4", []),
+    ("tiny", "int4", [r"re:model\.layers\.2\.mlp\.experts\.3\."]),  # one expert of one layer left BF16
+])
+def test_checkpoint_bytes_from_the_config_are_those_of_every_tensor(preset, weights, extra_ignore):
+    from k2deploy.core.checkpoint.presets import preset_config
+    from k2deploy.core.checkpoint.safetensors_io import NUMPY_DTYPES
+    from k2deploy.core.checkpoint.synthetic import checkpoint_bytes
+    from k2deploy.core.config import ModelConfig
+
+    raw = preset_config(preset, weights=weights).to_dict()
+    if extra_ignore:
+        raw["quantization_config"]["ignore"] += extra_ignore
+    config = ModelConfig.from_dict(raw)
+    listed = sum(s.numel * NUMPY_DTYPES[s.dtype].itemsize for s in layout.all_tensors(config))
+    assert checkpoint_bytes(config) == listed
+
+
 def test_kimi_k2_formula_matches_the_published_figures():
     from k2deploy.core.checkpoint.presets import preset_config
     from k2deploy.core.sizes import kv_cache_bytes_per_token

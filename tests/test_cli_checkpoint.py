@@ -1,5 +1,8 @@
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -39,6 +42,62 @@ def test_an_invalid_override_leaves_nothing_behind(tmp_path):
     result = run_cli("make-checkpoint", tmp_path / "c", "--set", "num_experts_per_tok=99")
     assert result.returncode == 2 and "num_experts_per_tok" in result.stderr
     assert os.listdir(tmp_path) == []
+
+
+# make-checkpoint in a child that waits, once its first bytes are on disk, for the signal the test sends (Ctrl-C
+# as a terminal delivers it): the signal lands mid-write however fast the machine
+WRITES_THEN_WAITS = """
+import signal, sys
+from k2deploy.commands.cli import main
+from k2deploy.core.checkpoint import synthetic
+
+def write_then_wait(f, chunk, write=synthetic.write_array):
+    write(f, chunk)
+    f.flush()
+    print("writing", flush=True)
+    signal.pause()
+
+synthetic.write_array = write_then_wait
+signal.signal(signal.SIGINT, signal.default_int_handler)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sent, code, said", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                              (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_mid_write_removes_the_partial_folder(tmp_path, sent, code, said):
+    child = subprocess.Popen([sys.executable, "-c", WRITES_THEN_WAITS, "make-checkpoint", tmp_path / "c"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "writing\n"
+        assert [p.name for p in tmp_path.iterdir()] == [f".c.partial-{child.pid}"]
+        child.send_signal(sent)
+        _, err = child.communicate(timeout=600)
+    finally:
+        child.kill()  # a child a failed assertion left waiting; nothing once it has exited
+    assert child.returncode == code and err.strip() == f"k2deploy make-checkpoint: {said}", err
+    assert os.listdir(tmp_path) == []
+
+
+def test_partial_folders_of_killed_writers_beside_the_output_are_removed(tmp_path):
+    """Those of any output name whose process is gone; not a running writer's, nor folders named otherwise."""
+    stale = [tmp_path / ".other.partial-999999998", tmp_path / ".c.partial-999999999"]  # no such processes
+    for folder in stale:
+        folder.mkdir()
+        (folder / "model-00001-of-00002.safetensors").write_bytes(b"half")
+    kept = [tmp_path / f".running.partial-{os.getpid()}", tmp_path / ".notes.partial-draft", tmp_path / "x.partial-1"]
+    for folder in kept:
+        folder.mkdir()
+    made = run_cli("make-checkpoint", tmp_path / "c")
+    assert made.returncode == 0, made.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["c", *(folder.name for folder in kept)])
+
+
+def test_a_checkpoint_larger_than_the_disk_is_refused_before_anything_is_written(tmp_path):
+    result = run_cli("make-checkpoint", tmp_path / "c", "--preset", "k2", "--layers", "1024")  # 17.5 TB
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "free, the checkpoint needs 17.46 TB; write it where there is room" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("command", [[], ["make-checkpoint"], ["inspect"]])

@@ -89,6 +89,18 @@ def test_an_interrupted_export_resumes_with_finished_graphs_kept(tiny_checkpoint
     load_manifest(out)  # complete and consistent
 
 
+def test_an_export_stopped_mid_graph_leaves_no_half_written_file(tiny_checkpoint, tmp_path):
+    """The command line turns SIGTERM into Terminated, raised where the export is, as Ctrl-C raises KeyboardInterrupt."""
+    from k2deploy.commands.command import Terminated
+
+    def stop(nbytes, label):
+        raise Terminated
+
+    with pytest.raises(Terminated):
+        export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu"), tmp_path / "art", on_progress=stop)
+    assert os.listdir(tmp_path / "art" / "graphs") == []
+
+
 def test_export_refuses_to_overwrite_and_force_redoes(tiny_artifacts, tiny_checkpoint):
     result = run_cli("export", tiny_checkpoint, "--out", tiny_artifacts["bf16"], "--kv-cache", "bf16")
     assert result.returncode == 2 and "already holds an exported artifact; pass --force" in result.stderr

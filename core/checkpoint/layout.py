@@ -91,7 +91,12 @@ def attention(config: ModelConfig, prefix: str) -> list[TensorSpec]:
     return specs
 
 
-def layer_tensors(config: ModelConfig, layer: int) -> list[TensorSpec]:
+def routed_expert(config: ModelConfig, layer: int, expert: int) -> list[TensorSpec]:
+    return mlp(config, f"model.layers.{layer}.mlp.experts.{expert}", config.moe_intermediate_size)
+
+
+def layer_tensors(config: ModelConfig, layer: int, routed: bool = True) -> list[TensorSpec]:
+    """In checkpoint order; routed=False: all but the routed experts (`routed_expert` gives those one by one)."""
     c = config
     p = f"model.layers.{layer}"
     specs = [
@@ -105,8 +110,8 @@ def layer_tensors(config: ModelConfig, layer: int) -> list[TensorSpec]:
         TensorSpec(f"{p}.mlp.gate.weight", (c.n_routed_experts, c.hidden_size), BF16, "router"),
         TensorSpec(f"{p}.mlp.gate.e_score_correction_bias", (c.n_routed_experts,), F32, "bias"),
     ]
-    for expert in range(c.n_routed_experts):
-        specs += mlp(c, f"{p}.mlp.experts.{expert}", c.moe_intermediate_size)
+    for expert in range(c.n_routed_experts if routed else 0):
+        specs += routed_expert(c, layer, expert)
     if c.n_shared_experts:
         specs += mlp(c, f"{p}.mlp.shared_experts", c.moe_intermediate_size * c.n_shared_experts)
     return specs
