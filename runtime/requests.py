@@ -95,7 +95,8 @@ class GenerationRequest:
                  row: int = 0, constraint: Constraint | None = None, after: GenerationRequest | None = None,
                  reasoning: ReasoningSplitter | None = None):
         """row: its place among choices of one prompt (seeds its sampling); after: a request of the same prompt
-        whose prefill it waits for, to reuse the pages that prefill fills."""
+        whose prefill it waits for, to reuse the pages that prefill fills (the step loop sets it, too, to a request
+        still prefilling the same first page of a prompt)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.after = after

@@ -39,19 +39,32 @@ class Scheduler:
         with self.lock:
             return self.lock.wait_for(lambda: self.waiting or any(self.slots), timeout)
 
-    def admit(self, fits: Callable[[GenerationRequest], bool] = lambda request: True) -> list[GenerationRequest]:
-        """Moves waiting requests, first come first served, into free slots (lowest first) while the next one is
-        ready (another choice of its prompt has prefilled it) and `fits` (the cache has the pages for it); drops
-        cancelled ones."""
+    def admit(self, fits: Callable[[GenerationRequest], bool] = lambda request: True,
+              leader: Callable[[GenerationRequest], GenerationRequest | None] = lambda request: None
+              ) -> list[GenerationRequest]:
+        """Moves waiting requests, first come first served, into free slots (lowest first) while the next one
+        `fits` (the cache has the pages for it); drops cancelled ones. A request that waits for another's prefill
+        (its `after`: another choice of its prompt, or the `leader` still prefilling its prompt's first page)
+        keeps its place while later ones are admitted."""
         with self.lock:
-            self.waiting = deque(r for r in self.waiting if not r.cancelled)
-            admitted = []
-            for slot, holder in enumerate(self.slots):
-                if holder is None and self.waiting and self.waiting[0].ready and fits(self.waiting[0]):
-                    request = self.waiting.popleft()
-                    request.slot = slot
-                    self.slots[slot] = request
-                    admitted.append(request)
+            pending = deque(r for r in self.waiting if not r.cancelled)
+            free = [slot for slot, holder in enumerate(self.slots) if holder is None]
+            admitted, skipped = [], deque()
+            while pending and free:
+                request = pending[0]
+                if request.after is None:
+                    request.after = leader(request)
+                if not request.ready:
+                    skipped.append(pending.popleft())
+                    continue
+                if not fits(request):
+                    break
+                pending.popleft()
+                request.slot = free.pop(0)
+                self.slots[request.slot] = request
+                admitted.append(request)
+            skipped.extend(pending)
+            self.waiting = skipped
             return admitted
 
     def requeue(self, request: GenerationRequest) -> None:

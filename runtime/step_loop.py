@@ -88,7 +88,7 @@ class StepLoop:
 
     def running(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
-        for request in self.scheduler.admit(self._fits):  # into slots released when their last request left
+        for request in self.scheduler.admit(self._fits, self._prefix_leader):  # into slots their last request left
             try:
                 self._admit(request)
             except Exception as exc:  # fails this request alone
@@ -135,6 +135,16 @@ class StepLoop:
         """A bug, not a bad request: every running request gets the error and leaves."""
         for request in self.scheduler.running():
             self._fail(request, exc)
+
+    def _prefix_leader(self, request: GenerationRequest) -> GenerationRequest | None:
+        """A running request still prefilling the first full page of `request`'s prompt: `request` waits for it
+        and then finds the pages of their shared prefix in the cache, instead of computing them again (None
+        where there is none, or no prefix reuse)."""
+        page = self.cache.page_size
+        if not self.cache.pool.prefix_cache or len(request.feed_ids) <= page:
+            return None
+        head = request.feed_ids[:page]
+        return next((r for r in self.scheduler.running() if r.prefilling and r.feed_ids[:page] == head), None)
 
     def _fits(self, request: GenerationRequest) -> bool:
         """Whether the pool has pages for a waiting request's prompt (cached prefixes not counted)."""

@@ -80,6 +80,23 @@ def test_a_cancelled_request_leaves_and_its_slot_serves_the_next(model):
     assert len(waiting.generated) == 4 and waiting.finish_reason == "length"
 
 
+def test_requests_that_arrive_together_with_a_shared_prefix_prefill_it_once(model):
+    """8 requests sent at once whose prompts share a 2,048-token prefix: the first prefills it, the other 7 wait
+    for its pages and find them in the cache (cached_tokens), each prefilling only its own tail; an unrelated
+    request sent with them is not held back."""
+    shared = (np.arange(2048) * 37 % 1000 + 3).tolist()
+    prompts = [shared + [5 + i, 17, 300 + i] for i in range(8)] + [[9, 8, 7, 6]]
+    loop = StepLoop(model, len(prompts), len(shared) + 16, max_queue=0)
+    requests = [_request(prompt, 2)[0] for prompt in prompts]
+    for request in requests:
+        loop.submit(request)
+    loop.step()
+    assert [r.cached_prompt_tokens is not None for r in requests] == [True] + [False] * 7 + [True]  # admitted
+    loop.run_until_done()
+    assert [r.cached_prompt_tokens for r in requests] == [0] + [2048] * 7 + [0]
+    assert all(len(r.generated) == 2 for r in requests)
+
+
 def test_bench_runs_over_pipeline_stages(tiny_artifacts):
     from k2deploy.bench.run import BenchOptions, run_bench
 
