@@ -10,6 +10,7 @@ import json
 import sys
 
 from ..core.errors import K2Error
+from .output_paths import check_output_folder, output_errors
 from .runtime_options import add_runtime_options
 
 USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8] [--backend onnxruntime|tensorrt]
@@ -17,6 +18,7 @@ USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8]
                       [--warmup 1] [--out DIR] [--json]
        k2deploy bench compare DIR [DIR ...] [--out DIR] [--markdown] [--json]"""
 
+DEFAULT_OUT = "artifacts/bench"
 DESCRIPTION = """\
 bench ART: latency, throughput and memory of an exported artifact on this machine. Every
 (batch, prompt length) cell runs --warmup untimed runs, then --repeats runs of prefill + first
@@ -60,6 +62,8 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
     from ..bench.report import format_result, write_result
     from ..bench.run import BenchOptions, run_bench
 
+    out = args.out or DEFAULT_OUT
+    check_output_folder(out, "--out")  # before the runs
     options = BenchOptions(
         artifact=artifact, batches=_int_list(args.batch, "--batch"), prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
         gen_len=args.gen_len, provider=args.provider, backend=args.backend, placement=args.placement, ray=args.ray,
@@ -69,7 +73,8 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
         verify_hashes=not args.no_verify, command=" ".join(["k2deploy", "bench", *sys.argv[2:]]))
     with tqdm(unit="run", desc="bench", disable=args.json or None, file=sys.stderr) as bar:
         doc = run_bench(options, bar=bar, log=lambda message: bar.set_description_str(message))
-    paths = write_result(doc, args.out or "artifacts/bench")
+    with output_errors(out, "--out"):
+        paths = write_result(doc, out)
     if args.json:
         print(json.dumps({**doc, "files": {k: str(v) for k, v in paths.items()}}, indent=2))
     else:
@@ -83,6 +88,7 @@ def _compare(args: argparse.Namespace, dirs: list[str]) -> None:
 
     if not dirs:
         raise K2Error("compare needs at least one results directory: k2deploy bench compare DIR [DIR ...]")
+    check_output_folder(args.out or dirs[0], "--out")
     summary = run_compare(dirs, args.out or dirs[0])
     results = summary.pop("_results")
     if args.json:

@@ -18,6 +18,7 @@ from .bench_command import add_bench_parser
 from .plan_command import add_plan_parser
 from .serve_command import add_serve_parser
 from .engines_command import add_build_engines_parser
+from .output_paths import check_output_file, check_output_folder, write_output_file
 from .runtime_options import add_runtime_options
 
 
@@ -32,6 +33,7 @@ def cmd_make_checkpoint(args: argparse.Namespace) -> None:
     from ..core.checkpoint.synthetic import checkpoint_bytes, write_checkpoint
 
     config = preset_config(args.preset, layers=args.layers, overrides=args.set or [], weights=args.format)
+    check_output_folder(args.out)
     total = checkpoint_bytes(config)
     started = time.perf_counter()
     with sigterm_as_interrupt(), tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {args.preset}",
@@ -91,6 +93,7 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     exporter = _export_side()
+    check_output_folder(args.out, "--out")
     from ..core.targets import default_target
 
     target = args.target or default_target()
@@ -259,15 +262,10 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_score(args: argparse.Namespace) -> None:
     import numpy as np
 
-    folder = Path(args.out).resolve().parent
-    if Path(args.out).is_dir():
-        raise K2Error(f"--out {args.out} is a folder; give the file to write, e.g. {Path(args.out) / 'logits.npy'}")
-    if not folder.is_dir():
-        raise K2Error(f"--out {args.out}: folder {folder} does not exist; create it first")
+    check_output_file(args.out, "--out")  # before the model runs
     prompt = _prompt_ids(args.prompt_ids)
     logits = _load_generator(args, len(prompt)).score(prompt)
-    with open(args.out, "wb") as out:  # exactly the name given (np.save on a name would append .npy)
-        np.save(out, logits)
+    write_output_file(args.out, lambda out: np.save(out, logits), "--out")  # exactly the name given, no .npy added
     summary = {"out": args.out, "shape": list(logits.shape), "dtype": str(logits.dtype)}
     print(json.dumps(summary) if args.json else f"wrote {args.out}: float32 logits {list(logits.shape)}")
 
@@ -276,6 +274,7 @@ def cmd_quickstart(args: argparse.Namespace) -> None:
     from .quickstart import run_quickstart
 
     _export_side()
+    check_output_folder(args.out, "--out")
 
     def show(row: dict) -> None:
         if not args.json:

@@ -2,16 +2,19 @@
 
 import errno
 import json
+import os
 import shutil
 import subprocess
 import sys
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from cli import run_cli
 from k2deploy.commands.command import run_command
+from k2deploy.commands.output_paths import write_output_file
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import MANIFEST_FILE, file_record
 
@@ -35,6 +38,54 @@ def _rewrite_manifest(art, edit):
 def test_score_into_a_missing_folder_is_refused_before_the_model_runs(tiny_artifacts, tmp_path):
     _one_line(run_cli("score", tiny_artifacts["fp8"], "--prompt-ids", "1,2", "--out", tmp_path / "nowhere" / "x.npy"),
               "does not exist; create it first")
+
+
+def _under_a_file(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    return tmp_path / "a-file" / "out"
+
+
+OUTPUT_PROBLEMS = {  # a path the command cannot write: (the path, what the error says)
+    "name too long": (lambda tmp_path: tmp_path / ("x" * 300), "choose a shorter name"),
+    "under a file": (_under_a_file, "is not a folder"),
+    "no new files there": (lambda tmp_path: Path("/proc/k2deploy-out"), "cannot create files in /proc"),
+}
+OUTPUT_COMMANDS = {  # each command's output path, refused before the command reads anything else
+    "score": lambda tmp_path, out: ["score", tmp_path, "--prompt-ids", "1,2", "--out", out],
+    "make-checkpoint": lambda tmp_path, out: ["make-checkpoint", out],
+    "bench": lambda tmp_path, out: ["bench", tmp_path, "--out", out],
+    "bench compare": lambda tmp_path, out: ["bench", "compare", tmp_path, "--out", out],
+    "export": lambda tmp_path, out: ["export", tmp_path, "--out", out],
+    "quickstart": lambda tmp_path, out: ["quickstart", "--out", out],
+}
+
+
+@pytest.mark.parametrize("command, problem", [*((c, p) for c in ("score", "make-checkpoint") for p in OUTPUT_PROBLEMS),
+                                              *((c, "name too long") for c in ("bench", "bench compare", "export",
+                                                                               "quickstart"))])
+def test_an_output_path_that_cannot_be_written_is_one_line(tmp_path, command, problem):
+    if problem == "no new files there" and not Path("/proc/self").exists():
+        pytest.skip("needs Linux's /proc")
+    path, message = OUTPUT_PROBLEMS[problem]
+    out = path(tmp_path)
+    result = run_cli(*OUTPUT_COMMANDS[command](tmp_path, out))
+    _one_line(result, message)
+    assert str(out) in result.stderr
+
+
+def test_an_output_file_ends_whole_or_untouched(tmp_path):
+    out = tmp_path / "logits.npy"
+    out.write_bytes(b"before")
+
+    def fail_halfway(file):
+        file.write(b"half")
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(K2Error, match=f"--out {out}: cannot write it \\(Input/output error\\); choose another path"):
+        write_output_file(out, fail_halfway, "--out")
+    assert out.read_bytes() == b"before" and os.listdir(tmp_path) == ["logits.npy"]
+    write_output_file(out, lambda file: file.write(b"after"), "--out")
+    assert out.read_bytes() == b"after" and os.listdir(tmp_path) == ["logits.npy"]
 
 
 def test_output_closed_early_is_one_line(tiny_artifacts):
