@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
 from ..core.host_memory import available_memory
+from ..runtime.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from .runtime_options import add_runtime_options
 
@@ -62,6 +63,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                         help=f"seconds a client has to send its whole request body, else a 408 (default: "
                              f"{DEFAULT_BODY_TIMEOUT_S:g})")
+    parser.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                        help="seconds a client has to send a request's headers after it connects or after its last "
+                             f"answer, else its connection is closed (default: {DEFAULT_HEADER_TIMEOUT_S:g})")
+    parser.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                        help="open connections served at once; a request on one more gets a 503 and its connection "
+                             f"is closed (default: {DEFAULT_MAX_CONNECTIONS})")
     parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                         help="seconds SIGTERM waits for running requests before it exits anyway; a second SIGTERM "
                              f"exits at once (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
@@ -96,6 +103,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"--max-request-bytes must be at least 1024, got {args.max_request_bytes}")
     if not args.body_timeout > 0:
         raise K2Error(f"--body-timeout must be more than 0 seconds, got {args.body_timeout}")
+    if not args.header_timeout > 0:
+        raise K2Error(f"--header-timeout must be more than 0 seconds, got {args.header_timeout}")
+    if args.max_connections < 1:
+        raise K2Error(f"--max-connections must be at least 1, got {args.max_connections}")
     if not args.drain_timeout >= 0:
         raise K2Error(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout}")
     for origin in args.allow_origin:
@@ -105,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     api_key = _api_key(args)
     try:
         import uvicorn
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         from ..runtime.serve.app import build_app
     except ImportError as exc:
@@ -112,6 +124,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ..core.manifest import load_manifest
     from ..core.tokenizer_files import load_tokenizer
     from ..runtime.backends import load_backend
+    from ..runtime.serve.connections import with_header_deadline
     from ..runtime.serve.engine import Engine
     from ..runtime.serve.metrics import ServerMetrics
 
@@ -158,7 +171,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         engine.stop(f"the server shut down before this request finished (--drain-timeout {args.drain_timeout:g} s)")
 
     # uvicorn cancels what is still open after its own timeout: later than ours, so every stream ends with its error
+    # uvicorn counts the connection asking among its limit_concurrency: one more, so --max-connections are served
     server = _draining_server(uvicorn.Config(app, log_level=args.log_level,
+                                             http=with_header_deadline(AutoHTTPProtocol, args.header_timeout),
+                                             limit_concurrency=args.max_connections + 1,
                                              timeout_graceful_shutdown=args.drain_timeout + DRAIN_GRACE_S),
                               lambda: _after(args.drain_timeout, end_drain))
     server.run(sockets=[listener])

@@ -1,4 +1,5 @@
-"""The server's limits: request size, the API key's sources, the port, and a SIGTERM drain that ends."""
+"""The server's limits: request size, open connections and their headers, the API key's sources, the port, and a
+SIGTERM drain that ends."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ def _serve_fails(artifact, *args, env=None):
     (["--api-key-file", "/nonexistent/key"], "--api-key-file /nonexistent/key"),
     (["--max-request-bytes", "10"], "--max-request-bytes must be at least 1024"),
     (["--drain-timeout", "-1"], "--drain-timeout must be at least 0 seconds"),
+    (["--header-timeout", "0"], "--header-timeout must be more than 0 seconds"),
+    (["--max-connections", "0"], "--max-connections must be at least 1"),
 ])
 def test_bad_server_options_are_one_line(tiny_artifacts, args, message):
     done = _serve_fails(tiny_artifacts["fp8"], *args)
@@ -137,3 +140,40 @@ def test_a_body_promised_and_never_sent_gets_408(small_bodies):
             answer += chunk              # may arrive apart)
     answer = answer.decode()
     assert answer.startswith("HTTP/1.1 408") and "request_timeout" in answer, answer
+
+
+def _half_open(server: Server, count: int) -> list[socket.socket]:
+    """`count` connections that send the start of a request's headers and never the rest."""
+    host, port = server.url.removeprefix("http://").split(":")
+    connections = []
+    for _ in range(count):
+        connections.append(socket.create_connection((host, int(port)), timeout=60))
+        connections[-1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+    return connections
+
+
+def _closed_by_the_server(connection: socket.socket) -> bool:
+    try:
+        return connection.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_half_open_connections_neither_stall_the_server_nor_stay(tiny_artifacts, tmp_path):
+    """200 clients that never finish their headers: a whole request is still answered at once, one connection past
+    --max-connections gets a 503, and the server closes the 200 after --header-timeout."""
+    server = Server(tiny_artifacts["fp8"], tmp_path / "half-open", "--header-timeout", "8", "--max-connections", "200")
+    connections = []
+    try:
+        connections += _half_open(server, 199)
+        started = time.monotonic()
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # the 200th connection
+        assert time.monotonic() - started < 5
+        connections += _half_open(server, 1)
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 503  # the 201st
+        assert all(_closed_by_the_server(c) for c in connections)  # each within its recv timeout, 60 s
+        assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+    finally:
+        for connection in connections:
+            connection.close()
+        server.stop()

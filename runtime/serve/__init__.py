@@ -4,5 +4,5 @@ No torch: ONNX Runtime (or the TensorRT engines, `--backend tensorrt`) runs the 
 Starlette and uvicorn carry the HTTP. The modules: protocol.py (request checking, OpenAI
 response shapes), requests.py (one request's state), scheduler.py (who runs in the next step),
 engine.py (the thread that runs the steps), metrics.py (Prometheus), app.py (the routes),
-cli.py (the `serve` command).
+connections.py (a deadline for each request's headers), cli.py (the `serve` command).
 """
