@@ -3,7 +3,7 @@ the logits of every step to the tokens that keep the answer inside it.
 
 Two kinds of answer are constrained:
 - `response_format` json_object / json_schema: the whole answer is one JSON value (an object, or one that follows
-  the schema), written without free whitespace;
+  the schema), spaced as JSON is written (compact, with spaces after separators, or indented), never padded;
 - tool calls, when tools are declared: free text, then at most one section of calls in Kimi K2's format, each
   naming a declared function and carrying arguments that follow its `parameters` schema (`strict: true`: exactly
   that schema, refused if the engine cannot compile it; otherwise the schema where it compiles, else any JSON
@@ -22,7 +22,12 @@ from ..core.errors import K2Error
 from .schema_limits import SchemaTooLarge, check_schema
 from .tool_calls import KIMI_K2_MARKERS
 
-JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON: a random or weak model cannot pad it forever
+# JSON as a model writes it: between two of its tokens, what json.dumps writes (nothing, a space after "," or ":",
+# or a newline and its indentation, spaces or tabs) and no more, so an answer that already keeps to the schema
+# passes unchanged whatever spacing it chose, and a weak model cannot pad one: at most 4 blanks, then at most one
+# line break and 64 blanks of indentation, between two JSON tokens
+WHITESPACE = r"[ \t]{0,4}(\r?\n[ \t]{0,64})?"
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": WHITESPACE}
 MAX_CALL_INDEX_DIGITS = 3
 
 

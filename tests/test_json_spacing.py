@@ -1,0 +1,128 @@
+"""Constraints never bend an answer that already keeps to its schema: a model whose answer is a tool call (or a
+JSON value) in any of the spacings JSON is written in gets it back through the server byte for byte, streamed and
+not, while padding past what json.dumps writes stays masked.
+
+The model is the tiny artifact's, its head replaced by a script: the n-th logits row it makes puts all its weight
+on the n-th token of a chosen answer (so the answer may repeat tokens, as JSON does), and greedy decoding follows
+the script exactly as long as the grammar lets it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from k2deploy.core.manifest import load_manifest  # noqa: E402
+from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
+from k2deploy.runtime.constrained import Grammars, json_grammar  # noqa: E402
+from k2deploy.runtime.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.serve.app import build_app  # noqa: E402
+from k2deploy.runtime.serve.engine import Engine  # noqa: E402
+from k2deploy.runtime.serve.metrics import ServerMetrics  # noqa: E402
+
+MODEL = "scripted"
+VALUE = {"city": "Paris", "days": [1, 2], "units": {"metric": True}}
+SPACINGS = {  # how a model may write the same arguments: json.dumps' own forms
+    "spaced": json.dumps(VALUE),
+    "compact": json.dumps(VALUE, separators=(",", ":")),
+    "indented": json.dumps(VALUE, indent=2),
+    "tabs": json.dumps(VALUE, indent="\t"),
+}
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "array", "items": {
+    "type": "integer"}}, "units": {"type": "object", "properties": {"metric": {"type": "boolean"}}}},
+    "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}}]
+CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+class ScriptedHead:
+    """A model whose n-th logits row (since `script` was last called) puts all its weight on the script's n-th
+    token; everything else is the wrapped model's."""
+
+    def __init__(self, model):
+        self.model, self.answer, self.made = model, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def script(self, ids: list[int]) -> None:
+        self.answer, self.made = ids, 0
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
+        out = np.zeros((rows, self.model.config.vocab_size), np.float32)
+        for row in range(rows):
+            out[row, self.answer[min(self.made, len(self.answer) - 1)]] = 10.0
+            self.made += 1
+        return out.reshape(*hidden.shape[:-1], -1)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_cpu_artifact):
+    manifest = load_manifest(tiny_cpu_artifact)
+    tokenizer = load_tokenizer(tiny_cpu_artifact / "tokenizer", manifest.config.vocab_size)
+    model = ScriptedHead(OrtModel(manifest))
+    metrics = ServerMetrics()
+    engine = Engine(model, max_batch=1, max_context=512, max_queue=8, metrics=metrics)
+    with TestClient(build_app(engine, tokenizer, MODEL, metrics)) as http:
+        yield model, tokenizer, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
+
+
+def _call_arguments(client, stream: bool) -> tuple[str, str]:
+    """The answer's one call's arguments and its finish_reason."""
+    asked = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    if not stream:
+        choice = client.chat.completions.create(**asked).choices[0]
+        calls = choice.message.tool_calls or []
+        assert [c.function.name for c in calls] == ["get_weather"], choice
+        return calls[0].function.arguments, choice.finish_reason
+    arguments, finish = "", None
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for choice in chunk.choices:
+            for call in choice.delta.tool_calls or []:
+                arguments += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return arguments, finish
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_a_tool_call_comes_back_byte_identical_in_any_spacing(served, spacing, stream):
+    model, tokenizer, client = served
+    model.script(tokenizer.encode(CALL.replace("{}", SPACINGS[spacing]), allow_special=True))
+    assert _call_arguments(client, stream) == (SPACINGS[spacing], "tool_calls")
+
+
+@pytest.mark.parametrize("spacing", SPACINGS)
+def test_a_json_answer_comes_back_byte_identical_in_any_spacing(served, spacing):
+    model, tokenizer, client = served
+    model.script(tokenizer.encode(SPACINGS[spacing] + "<|im_end|>", allow_special=True))
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=120,
+                                            response_format={"type": "json_schema", "json_schema": {
+                                                "name": "weather", "schema": SCHEMA}}).choices[0]
+    assert (answer.message.content, answer.finish_reason) == (SPACINGS[spacing], "stop")
+
+
+@pytest.mark.parametrize("padded", ['{"city":' + " " * 40 + '"Paris"}', '{' + "\n" * 3 + '"city": "Paris"}',
+                                    '{"city": "Paris"' + " \n" * 30 + "}"])
+def test_padding_past_what_json_dumps_writes_is_masked(served, padded):
+    """A weak model cannot pad an answer: between two JSON tokens at most 4 blanks, then one line break and 64
+    blanks of indentation."""
+    _, tokenizer, _ = served
+    grammars = Grammars(tokenizer, 1024)
+    constraint = grammars.constraint(json_grammar(SCHEMA))
+    masked = False
+    for token in tokenizer.encode(padded):
+        if constraint.allowed(np.zeros(1024, np.float32))[token] == -np.inf:
+            masked = True
+            break
+        constraint.consume(token)
+    assert masked
