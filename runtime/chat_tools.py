@@ -5,8 +5,8 @@ Kimi K2 opens its calls with `<|tool_calls_section_begin|>`. `none` (and a chat 
 forbids that token, so the model answers in text. `required` makes the answer begin with
 `<|tool_calls_section_begin|><|tool_call_begin|>functions.` and the model picks the function; a
 named function makes it begin with that call's whole header,
-`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>`, so
-the model writes only its arguments. Those forced tokens are prefilled with the prompt (counted
+`<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>` (IDX: the
+conversation's calls so far), so the model writes only its arguments. Those forced tokens are prefilled with the prompt (counted
 in `prompt_tokens`) and parsed as the start of the answer.
 """
 
@@ -57,6 +57,31 @@ def check_tools(tools, where: str = "tools") -> list[dict]:
     return tools
 
 
+def normalise_call_ids(messages: list[dict]) -> list[dict]:
+    """The chat with every earlier call's id as Kimi K2 writes it, `functions.<name>:<index>` (the index counts
+    the conversation's calls from 0), whatever form the client kept (`search:0`, `call_abc`), and each tool
+    result's `tool_call_id` renamed with its call's (K2-Vendor-Verifier's advice: the ids K2 learned)."""
+    renamed, index, out = {}, 0, []
+    for message in messages:
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                kimi_id = f"functions.{call['function']['name']}:{index}"
+                renamed.setdefault(call["id"], kimi_id)
+                calls.append({**call, "id": kimi_id})
+                index += 1
+            message = {**message, "tool_calls": calls}
+        elif message.get("role") == "tool" and message.get("tool_call_id") in renamed:
+            message = {**message, "tool_call_id": renamed[message["tool_call_id"]]}
+        out.append(message)
+    return out
+
+
+def calls_made(messages: list[dict] | None) -> int:
+    """How many calls the chat's assistant turns made: the index of the answer's first call."""
+    return sum(len(m.get("tool_calls") or ()) for m in messages or ())
+
+
 def check_tool_choice(choice, tools: list[dict] | None) -> str | dict:
     """`none`, `auto`, `required` or {"type": "function", "function": {"name": NAME}} naming a declared tool."""
     if choice is None:
@@ -83,7 +108,8 @@ class ToolSteering:
     banned_ids: tuple[int, ...]  # token ids the model may not sample
 
     @classmethod
-    def plan(cls, tokenizer, tools: list[dict] | None, choice: str | dict) -> ToolSteering:
+    def plan(cls, tokenizer, tools: list[dict] | None, choice: str | dict, call_index: int = 0) -> ToolSteering:
+        """call_index: the index the answer's first call takes (`calls_made` of the chat so far)."""
         has_markers = all(m in tokenizer.special_ids for m in KIMI_K2_MARKERS.all())
         if tools and not has_markers:
             raise K2Error("this artifact's tokenizer has no Kimi K2 tool-call tokens (<|tool_calls_section_begin|> "
@@ -97,7 +123,8 @@ class ToolSteering:
         if choice == "required":
             return cls(begin + "functions.", ())
         if isinstance(choice, dict):
-            return cls(f"{begin}functions.{choice['function']['name']}:0{KIMI_K2_MARKERS.argument_begin}", ())
+            return cls(f"{begin}functions.{choice['function']['name']}:{call_index}{KIMI_K2_MARKERS.argument_begin}",
+                       ())
         return cls("", ())
 
     def forced_ids(self, tokenizer) -> list[int]:

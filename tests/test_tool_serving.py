@@ -101,6 +101,59 @@ def test_the_next_turn_is_rendered_as_the_template_defines(server, tokenizer):
     assert second.usage.prompt_tokens == len(expected)
 
 
+AGENT_CHAT = [  # as agent clients send it (K2-Vendor-Verifier's recorded requests have these shapes)
+    {"role": "system", "content": "You are a helpful agent."},
+    {"role": "user", "content": "When does the bakery open?"},
+    {"role": "assistant", "content": None, "reasoning_content": "Two lookups.", "tool_calls": [
+        {"id": "search:0", "type": "function", "function": {"name": "bakery", "arguments": "{}"}},
+        {"id": "call_abc", "type": "function", "function": {"name": "bakery", "arguments": '{"day": "sun"}'}}]},
+    {"role": "tool", "name": "bakery", "tool_call_id": "search:0", "content": "06:00"},
+    {"role": "tool", "name": "bakery", "tool_call_id": "call_abc", "content": "07:00 on Sundays"},
+    {"role": "system", "content": "Answer briefly."},
+    {"role": "user", "content": "And tomorrow?"},
+]
+
+
+def _kimi_ids(chat: list[dict]) -> list[dict]:
+    """AGENT_CHAT as Kimi K2 learned it: the calls functions.<name>:<index> in conversation order, the results
+    naming them."""
+    renamed = {"search:0": "functions.bakery:0", "call_abc": "functions.bakery:1"}
+    out = []
+    for message in chat:
+        if message.get("tool_calls"):
+            message = {**message, "tool_calls": [{**c, "id": renamed[c["id"]]} for c in message["tool_calls"]]}
+        if message["role"] == "tool":
+            message = {**message, "tool_call_id": renamed[message["tool_call_id"]]}
+        out.append({k: ("" if k == "content" and v is None else v) for k, v in message.items()})
+    return out
+
+
+def test_an_agent_request_is_rendered_with_the_call_ids_kimi_learned(server, tokenizer):
+    """System messages anywhere, tool results with `name`, an assistant turn of calls with null content and
+    `reasoning_content`, history ids in other forms (`search:0`, `call_abc`) renamed `functions.<name>:<index>`,
+    `user`, a large `max_tokens` (within the context, as vLLM asks) and `stream_options` as vLLM takes them (include_usage, continuous_usage_stats):
+    answered, streamed, the prompt rendered from the renamed chat, the counts in every chunk."""
+    chunks = list(server.client().chat.completions.create(
+        model=MODEL, messages=AGENT_CHAT, tools=TOOLS, temperature=0.6, seed=1, stream=True, user="agent-7",
+        max_tokens=2048, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    prompt = len(tokenizer.encode_chat(_kimi_ids(AGENT_CHAT), TOOLS))
+    assert chunks[-1].usage.prompt_tokens == prompt and not chunks[-1].choices
+    counted = [c.usage.completion_tokens for c in chunks[:-1] if c.choices and c.usage]
+    assert len(counted) == len([c for c in chunks[:-1] if c.choices]) and counted == sorted(counted)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_a_named_tool_choice_takes_the_conversations_next_call_index(server, tokenizer):
+    """After two calls in the history the forced header is functions.bakery:2, not :0."""
+    result = server.client().chat.completions.create(
+        model=MODEL, messages=AGENT_CHAT, tools=TOOLS, temperature=0, max_tokens=32,
+        tool_choice={"type": "function", "function": {"name": "bakery"}})
+    assert [c.id for c in result.choices[0].message.tool_calls] == ["functions.bakery:2"]
+    forced = "<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:2<|tool_call_argument_begin|>"
+    assert result.usage.prompt_tokens == (len(tokenizer.encode_chat(_kimi_ids(AGENT_CHAT), TOOLS))
+                                          + len(tokenizer.encode(forced, allow_special=True)))
+
+
 def test_tool_choice_none_forbids_the_call(server):
     choice = _ask(server, tool_choice="none").choices[0]
     assert choice.finish_reason != "tool_calls" and not choice.message.tool_calls

@@ -27,7 +27,7 @@ from starlette.routing import Route
 
 from ...core.chat_template import ChatTokenizer
 from ...core.errors import K2Error
-from ..chat_tools import ToolSteering
+from ..chat_tools import ToolSteering, calls_made
 from ..constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
 from ..reasoning import reasoning_splitter
 from ..sampling import SamplingParams
@@ -122,7 +122,7 @@ class Service:
             chat, entries, self.token_bytes, offset)
         answer = Answer(jobs, len(prompts), updates, reply, logprobs)
         if options.stream:
-            return GenerationStream(self.events(answer, options.include_usage), jobs)
+            return GenerationStream(self.events(answer, options.include_usage, options.continuous_usage), jobs)
         return await self.collect(request, answer)
 
     def sampling(self, options: Options, steering: ToolSteering, max_new: int) -> SamplingParams:
@@ -213,7 +213,8 @@ class Service:
             raise bad_request("`stop` strings need a tokenizer, which this artifact does not have.", param="stop")
         if options.chat:
             try:
-                steering = ToolSteering.plan(self.tokenizer, options.tools, options.tool_choice)
+                steering = ToolSteering.plan(self.tokenizer, options.tools, options.tool_choice,
+                                             calls_made(options.messages))
                 ids = self.tokenizer.encode_chat(options.messages, options.tools, dict(options.template_options))
             except (jinja2.TemplateError, K2Error) as exc:  # K2Error: no chat template, or no tool-call tokens
                 raise bad_request(f"The chat template cannot render these messages: {exc}", param="messages") from None
@@ -258,14 +259,17 @@ class Service:
         finally:
             watcher.cancel()
 
-    async def events(self, answer: Answer, include_usage: bool) -> AsyncIterator[str]:
+    async def events(self, answer: Answer, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
         """OpenAI's stream: per choice a chunk per token (its text may be empty while a character or a possible
-        stop string is incomplete, so the first chunk marks the first token) and its finish reason; then [usage,]
-        [DONE]."""
+        stop string is incomplete, so the first chunk marks the first token) and its finish reason, each with the
+        counts so far where `continuous_usage` (vLLM's continuous_usage_stats); then [usage,] [DONE]."""
         reply, count = answer.reply, len(answer.jobs)
+        def counted(chunk: dict) -> dict:
+            return chunk | {"usage": answer.usage()} if continuous_usage else chunk
+
         if reply.chat:
             for index in range(count):
-                yield sse(reply.chunk("", role=True, index=index))
+                yield sse(counted(reply.chunk("", role=True, index=index)))
         offsets, finished = [0] * count, 0  # completions' text_offset of each choice's next token
         while finished < count:
             index, update = await answer.updates.get()
@@ -277,8 +281,8 @@ class Service:
             chunk_logprobs = answer.logprobs(update.logprobs, offsets[index]) if answer.logprobs and update.logprobs \
                 else None
             offsets[index] += sum(len(self.token_bytes(e.token).decode("utf-8", "replace")) for e in update.logprobs)
-            yield sse(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids,
-                                  logprobs=chunk_logprobs, index=index, reasoning=update.reasoning))
+            yield sse(counted(reply.chunk(update.text, update.finish_reason, tool_calls=calls, token_ids=ids,
+                                          logprobs=chunk_logprobs, index=index, reasoning=update.reasoning)))
             finished += update.finish_reason is not None
         else:
             if include_usage:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ...core.errors import K2Error
 from ...core.json_files import loads
-from ..chat_tools import check_tool_choice, check_tools
+from ..chat_tools import check_tool_choice, check_tools, normalise_call_ids
 from ..schema_limits import SchemaTooLarge, check_schema
 from ..requests import TokenLogprob
 from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
@@ -83,6 +83,7 @@ class Options:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the token counts
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (vLLM's): the counts in every chunk
     tools: list[dict] | None = None  # chat: OpenAI's function tools, checked
     tool_choice: str | dict = "none"  # "none", "auto", "required" or {"type": "function", "function": {"name"}}
     parallel_tool_calls: bool = True
@@ -129,12 +130,14 @@ def parse_options(body: dict, chat: bool) -> Options:
     stream_options = _optional(body, "stream_options", dict, None)
     if stream_options is not None and not stream:
         raise bad_request("`stream_options` is only allowed when `stream` is true", param="stream_options")
-    include_usage = False
+    include_usage = continuous_usage = False
     if stream_options is not None:
-        unknown = set(stream_options) - {"include_usage"}
+        unknown = set(stream_options) - {"include_usage", "continuous_usage_stats"}
         if unknown:
             raise bad_request(f"`stream_options.{min(unknown)}` is not supported", param="stream_options")
         include_usage = _optional(stream_options, "include_usage", bool, False, label="stream_options.include_usage")
+        continuous_usage = _optional(stream_options, "continuous_usage_stats", bool, False,
+                                     label="stream_options.continuous_usage_stats")
     max_tokens = _max_tokens(body, chat)
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -158,6 +161,7 @@ def parse_options(body: dict, chat: bool) -> Options:
     return Options(chat=chat, model=model, prompts=None if chat else _prompts(body), n=n,
                    messages=_messages(body) if chat else None, max_tokens=max_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, stop=_stop(body), stream=stream, include_usage=include_usage,
+                   continuous_usage=continuous_usage,
                    tools=tools, tool_choice=tool_choice,
                    parallel_tool_calls=_optional(body, "parallel_tool_calls", bool, True),
                    presence_penalty=_number(body, "presence_penalty", 0.0, *PENALTY_RANGE),
@@ -346,7 +350,7 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` is required: a non-empty array of messages", param="messages")
-    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+    return normalise_call_ids([_message(message, f"messages[{i}]") for i, message in enumerate(messages)])
 
 
 def _message(message, where: str) -> dict:
@@ -357,7 +361,8 @@ def _message(message, where: str) -> dict:
     if role not in CHAT_ROLES:
         raise bad_request(f"`{where}.role` must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
                           param=f"{where}.role")
-    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls", "reasoning_content"},
+                                             "tool": {"tool_call_id"}}.get(role, set())
     unknown = set(message) - allowed
     if unknown:
         raise bad_request(f"`{where}.{min(unknown)}` is not supported by this server", param=where,
@@ -368,6 +373,9 @@ def _message(message, where: str) -> dict:
         entry["name"] = _optional(message, "name", str, None, label=f"{where}.name")
     if calls is not None:
         entry["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if message.get("reasoning_content") is not None:  # a thinking model's template may keep the last turn's
+        entry["reasoning_content"] = _optional(message, "reasoning_content", str, None,
+                                               label=f"{where}.reasoning_content")
     if role == "tool":
         entry["tool_call_id"] = _optional(message, "tool_call_id", str, None, label=f"{where}.tool_call_id")
         if entry["tool_call_id"] is None:
