@@ -111,6 +111,18 @@ def test_a_json_answer_comes_back_byte_identical_in_any_spacing(served, spacing)
     assert (answer.message.content, answer.finish_reason) == (SPACINGS[spacing], "stop")
 
 
+def test_a_json_answer_after_the_reasoning_keeps_both(served):
+    """response_format with a thinking prompt (chat_template_kwargs thinking): the reasoning runs free up to
+    </think>, then the answer is the JSON, as the model wrote it."""
+    model, tokenizer, client = served
+    model.script(tokenizer.encode("Paris, surely.</think>" + SPACINGS["indented"] + "<|im_end|>", allow_special=True))
+    answer = client.chat.completions.create(
+        model=MODEL, messages=ASK, temperature=0, max_tokens=120, response_format={"type": "json_object"},
+        extra_body={"chat_template_kwargs": {"thinking": True}}).choices[0]
+    assert (answer.message.content, answer.finish_reason) == (SPACINGS["indented"], "stop")
+    assert answer.message.model_extra["reasoning_content"] == "Paris, surely."
+
+
 @pytest.mark.parametrize("padded", ['{"city":' + " " * 40 + '"Paris"}', '{' + "\n" * 3 + '"city": "Paris"}',
                                     '{"city": "Paris"' + " \n" * 30 + "}"])
 def test_padding_past_what_json_dumps_writes_is_masked(served, padded):

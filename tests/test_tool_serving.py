@@ -154,6 +154,18 @@ def test_a_named_tool_choice_takes_the_conversations_next_call_index(server, tok
                                           + len(tokenizer.encode(forced, allow_special=True)))
 
 
+def test_several_choices_and_logprobs_work_with_tools(server):
+    """n > 1 with tools: each choice its own parser and grammar over one prefill; logprobs with tools: one per
+    generated token, calls parsed as without them."""
+    several = _ask(server, n=3)
+    assert [[c.function.name for c in choice.message.tool_calls] for choice in several.choices] == [["bakery"]] * 3
+    result = _ask(server, logprobs=True, top_logprobs=2)
+    choice = result.choices[0]
+    assert [c.function.name for c in choice.message.tool_calls] == ["bakery"]
+    assert len(choice.logprobs.content) == result.usage.completion_tokens > 0
+    assert all(len(entry.top_logprobs) == 2 for entry in choice.logprobs.content)
+
+
 def test_tool_choice_none_forbids_the_call(server):
     choice = _ask(server, tool_choice="none").choices[0]
     assert choice.finish_reason != "tool_calls" and not choice.message.tool_calls
