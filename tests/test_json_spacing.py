@@ -2,9 +2,9 @@
 JSON value) in any of the spacings JSON is written in gets it back through the server byte for byte, streamed and
 not, while padding past what json.dumps writes stays masked.
 
-The model is the tiny artifact's, its head replaced by a script: the n-th logits row it makes puts all its weight
-on the n-th token of a chosen answer (so the answer may repeat tokens, as JSON does), and greedy decoding follows
-the script exactly as long as the grammar lets it."""
+The model is the tiny artifact's, its head replaced by a script (bench/scripted_head.py): the n-th logits row it
+makes puts all its weight on the n-th token of a chosen answer (so the answer may repeat tokens, as JSON does), and
+greedy decoding follows the script exactly as long as the grammar lets it."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytest.importorskip("starlette")
 
 from starlette.testclient import TestClient  # noqa: E402
 
+from k2deploy.bench.scripted_head import ScriptedHead  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
 from k2deploy.runtime.constrained import Grammars, json_grammar  # noqa: E402
@@ -41,28 +42,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 CALL = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{}"
         "<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class ScriptedHead:
-    """A model whose n-th logits row (since `script` was last called) puts all its weight on the script's n-th
-    token; everything else is the wrapped model's."""
-
-    def __init__(self, model):
-        self.model, self.answer, self.made = model, [], 0
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def script(self, ids: list[int]) -> None:
-        self.answer, self.made = ids, 0
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        rows = hidden.reshape(-1, hidden.shape[-1]).shape[0]
-        out = np.zeros((rows, self.model.config.vocab_size), np.float32)
-        for row in range(rows):
-            out[row, self.answer[min(self.made, len(self.answer) - 1)]] = 10.0
-            self.made += 1
-        return out.reshape(*hidden.shape[:-1], -1)
 
 
 @pytest.fixture(scope="module")
