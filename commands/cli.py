@@ -13,7 +13,7 @@ from ..core.checkpoint.presets import WEIGHT_FORMATS
 from ..core.targets import TARGETS
 from .command import run_command, sigterm_as_interrupt
 from ..core.errors import K2Error
-from ..core.json_files import loads
+from ..core.json_files import loads, read_small_text
 from .bench_command import add_bench_parser
 from .plan_command import add_plan_parser
 from .serve_command import add_serve_parser
@@ -174,14 +174,15 @@ def _logit_bias(items: list[str], vocab: int) -> tuple[tuple[int, float], ...]:
     return tuple(pairs)
 
 
+TOOLS_FILE_BYTES = 4 << 20  # a --tools file, at most (the server's request body limit)
+
+
 def _read_tools(path: str) -> list[dict]:
     from ..runtime.chat_tools import check_tools
 
     try:
-        tools = loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise K2Error(f"--tools {path}: cannot be read ({exc.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        tools = loads(read_small_text(path, TOOLS_FILE_BYTES, "--tools"))
+    except json.JSONDecodeError as exc:
         raise K2Error(f"--tools {path}: not valid JSON ({exc})") from None
     try:
         return check_tools(tools, where=f"--tools {path}")

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
 from ..core.host_memory import available_memory
+from ..core.json_files import read_small_text
 from ..runtime.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
 from .runtime_options import add_runtime_options
@@ -27,6 +28,7 @@ MAX_BATCH = 4096  # requests running at once, at most (each is a row of every fo
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 DRAIN_GRACE_S = 5.0  # after the drain ends, time for the failed requests' last events to reach their clients
 API_KEY_VARIABLE = "K2DEPLOY_API_KEY"
+KEY_FILE_BYTES = 4096  # an --api-key-file, at most
 DESCRIPTION = ("Serve an exported artifact over OpenAI's API (GET /v1/models, POST /v1/completions and "
                "/v1/chat/completions, streamed or not) with continuous batching over the FP8 latent cache, "
                "plus GET /health and Prometheus GET /metrics. SIGTERM or Ctrl-C drains running requests, then exits.")
@@ -185,10 +187,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
     if args.api_key is not None:
         key, source = args.api_key, "--api-key"
     elif args.api_key_file:
-        try:
-            lines = Path(args.api_key_file).read_text().splitlines()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise K2Error(f"--api-key-file {args.api_key_file}: {getattr(exc, 'strerror', None) or exc}") from None
+        lines = read_small_text(args.api_key_file, KEY_FILE_BYTES, "--api-key-file").splitlines()
         key, source = (lines[0].strip() if lines else ""), f"--api-key-file {args.api_key_file}"
     elif API_KEY_VARIABLE in os.environ:
         key, source = os.environ[API_KEY_VARIABLE], f"${API_KEY_VARIABLE}"

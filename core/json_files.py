@@ -19,6 +19,10 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(text)
     except RecursionError:
         value = None
+    except json.JSONDecodeError:
+        raise
+    except ValueError:  # an integer of more digits than Python converts (4,300): garbled input as well
+        raise json.JSONDecodeError("a number with too many digits", "", 0) from None
     else:
         if _depth_within(value, max_depth):
             return value
@@ -43,6 +47,22 @@ def _depth_within(value: Any, max_depth: int) -> bool:
         children = container.values() if isinstance(container, dict) else container
         pending.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
     return True
+
+
+def read_small_text(path: str | Path, limit: int, what: str) -> str:
+    """A small file the user names (a tools file, a key file), read whole as UTF-8: a K2Error naming `what` where
+    it holds more than `limit` bytes (a device such as /dev/zero included) or cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(limit + 1)
+    except OSError as exc:
+        raise K2Error(f"{what} {path}: cannot be read ({exc.strerror})") from None
+    if len(data) > limit:
+        raise K2Error(f"{what} {path}: holds more than {limit} bytes; give a smaller file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise K2Error(f"{what} {path}: not UTF-8 text") from None
 
 
 def read_json(path: Path, missing: str) -> Any:

@@ -23,6 +23,7 @@ from .memory_arena import use_shared_arena
 
 _pool_threads: int | None = None  # the size of this process's pool once it is made
 _pool_workers: set[int] = set()  # the thread ids ONNX Runtime made for it (Linux)
+MAX_THREADS = 256  # a pool's threads, at most (--threads)
 LOW_PRIORITY = 19  # the nice value of the pool's workers while the native decode step shares their cores
 
 
@@ -81,8 +82,8 @@ def default_threads(share: int = 1) -> int:
 def process_threads(threads: int | None = None, share: int = 1) -> int:
     """Makes this process's pool (`threads`, else `default_threads(share)`) unless it exists -> its size."""
     global _pool_threads
-    if threads is not None and threads < 1:
-        raise K2Error(f"--threads {threads}: give at least 1")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise K2Error(f"--threads {threads}: give 1 to {MAX_THREADS}")
     if _pool_threads is not None:
         if threads is not None and threads != _pool_threads:
             raise K2Error(f"this process already runs its models on a pool of {_pool_threads} threads and cannot "

@@ -49,7 +49,8 @@ class ToolCallMarkers:
 def undecided_tail(text: str, markers: Iterable[str]) -> int:
     """The length of the longest tail of `text` that is a proper start of one of `markers`: text a stream holds
     back, since the next chunk may complete the marker."""
-    return max((n for m in markers for n in range(1, len(m)) if text.endswith(m[:n])), default=0)
+    return max((n for m in markers for n in range(1, min(len(m), len(text) + 1))
+                if text[-1] == m[n - 1] and text.endswith(m[:n])), default=0)
 
 
 KIMI_K2_MARKERS = ToolCallMarkers("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",

@@ -1,6 +1,7 @@
 """Third round of hostile input: schemas bounded before the grammar engine compiles them (a chain of 1,000 $refs
-crashed it, 600 properties failed an answer mid-way), a top_k past the vocabulary, each a one-line refusal or a
-sensible answer, never a crash or a traceback."""
+crashed it, 600 properties failed an answer mid-way), a top_k past the vocabulary, integers of thousands of digits,
+endless files, absurd thread counts and stop strings: each a one-line refusal, a 400 or a sensible answer, never a
+crash, a stall or a traceback."""
 
 import json
 
@@ -67,3 +68,36 @@ def test_generate_with_a_top_k_past_the_vocabulary_samples_from_all_of_it(tiny_c
                    "--temperature", "1", "--top-k", top_k, "--seed", "1", "--json")
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert len(json.loads(done.stdout)["token_ids"]) == 3
+
+
+def test_a_number_of_thousands_of_digits_is_garbled_json_not_a_crash(tiny_cpu_artifact, tmp_path):
+    """Python refuses to convert integers past 4,300 digits with a ValueError that was a 500 and a traceback."""
+    from k2deploy.runtime.serve.protocol import ApiError, parse_json
+
+    with pytest.raises(ApiError, match="a number with too many digits"):
+        parse_json(b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}")
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"type": "function", "function": {"name": "f", "parameters": {"maxProperties": '
+                     + "9" * 5000 + "}}}]")
+    refused = run_cli("generate", tiny_cpu_artifact, "--chat", "--prompt", "hi", "--tools", tools)
+    assert refused.returncode == 2 and "not valid JSON (a number with too many digits" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--chat", "--prompt", "hi", "--tools", "/dev/zero"], "holds more than 4194304 bytes"),
+    (["--prompt-ids", "1,2", "--threads", "100000"], "--threads 100000: give 1 to 256"),
+])
+def test_endless_files_and_absurd_thread_counts_are_one_line(tiny_cpu_artifact, args, words):
+    refused = run_cli("generate", tiny_cpu_artifact, *args)
+    assert refused.returncode == 2 and words in refused.stderr, refused.stderr[-2000:]
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_stop_string_past_its_length_limit_is_a_400():
+    """Each token's text is checked against every stop string's starts: a 1 MB one stalled every request."""
+    from k2deploy.runtime.serve.protocol import MAX_STOP_CHARS, ApiError, parse_options
+
+    with pytest.raises(ApiError, match=f"at most {MAX_STOP_CHARS} characters"):
+        parse_options({"model": "m", "prompt": "hi", "stop": ["x" * (MAX_STOP_CHARS + 1)]}, chat=False)
+    assert parse_options({"model": "m", "prompt": "hi", "stop": ["x" * MAX_STOP_CHARS]}, chat=False).stop

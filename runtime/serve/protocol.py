@@ -25,6 +25,7 @@ from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # serve --max-request-bytes
 DEFAULT_BODY_TIMEOUT_S = 30.0  # serve --body-timeout
 MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256  # characters of one stop string, at most: each token's text is checked against them all
 SEED_RANGE = (-(2**63), 2**63)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -315,6 +316,8 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise bad_request(f"`stop` takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", param="stop")
     if any(not s for s in stops):
         raise bad_request("`stop` strings must not be empty", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise bad_request(f"`stop` strings may hold at most {MAX_STOP_CHARS} characters", param="stop")
     return tuple(stops)
 
 
