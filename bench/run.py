@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import K2Error
-from ..runtime.thread_pool import default_threads
+from ..runtime.backends.thread_pool import default_threads
 from ..core.targets import GPU_PROVIDERS, artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
@@ -55,7 +55,7 @@ class BenchOptions:
     placement: str | None = None  # pipeline stages ("auto" or ranges), in this process or on Ray
     ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
     threads: int | None = None  # the intra-op thread pool (and torch's); None: this host's physical cores
-    decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/ort_backend.py)
+    decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/backends/ort_backend.py)
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3
     warmup: int = 1
@@ -127,7 +127,7 @@ class _Ours:
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
                  placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None,
                  decode: str = "auto"):
-        from ..runtime.backends import load_backend
+        from ..runtime.loading import load_backend
 
         rss = current_rss_bytes()
         started = time.perf_counter()
@@ -140,9 +140,9 @@ class _Ours:
     def run(self, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
         """One batch of greedy requests through the step loop, as `generate` and the server run them: its prefill
         forwards until every request has its first token, then gen_len - 1 decode forwards, each timed."""
-        from ..runtime.requests import GenerationRequest
-        from ..runtime.sampling import SamplingParams
-        from ..runtime.step_loop import StepLoop
+        from ..runtime.engine.requests import GenerationRequest
+        from ..runtime.engine.sampling import SamplingParams
+        from ..runtime.engine.step_loop import StepLoop
 
         model = self.model
         loop = StepLoop(model, batch, prompt_len + gen_len, max_queue=0)

@@ -176,7 +176,7 @@ SCHEMA = {
                                    "`k2deploy build-engines`; absent in results that predate it: onnxruntime"},
         "threads": {"type": ["integer", "null"], "description": "the size of the process's one intra-op thread pool; null: no host pool (TensorRT)"},
         "decode_kernels": {"type": ["string", "null"],
-                           "description": "what ran one sequence's decode step: native (runtime/native_decode.py) or "
+                           "description": "what ran one sequence's decode step: native (runtime/backends/native_decode.py) or "
                                           "onnx (the graphs; with the reason where native was asked for by auto and "
                                           "could not run); null: another backend; absent in results that predate it"},
         "versions": {"type": "object", "required": ["k2deploy", "onnxruntime", "numpy", "python"],

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..runtime.backends.interface import logits_at
+
 SCRIPTED_LOGIT = 10.0  # the scripted token's logit; every other token's is 0
 
 
@@ -20,6 +22,10 @@ class ScriptedHead:
     def script(self, ids: list[int]) -> None:
         """The answer's token ids, from the first generated one (after the prompt and any forced start)."""
         self.answer, self.made = list(ids) or [0], 0
+
+    def forward_logits(self, token_ids, positions, valid, view, last) -> np.ndarray:
+        """The wrapped model's forward, then the scripted logits at each row's position `last`."""
+        return logits_at(self.logits, self.model.forward(token_ids, positions, valid, view), last)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         """hidden [..., m] -> logits [..., vocab]: one row per scripted token in turn (the last one repeats)."""

@@ -6,7 +6,7 @@ sampled token read back, for every row of a step, against the step's own time wi
 (from the repository root; ART: an artifact with a tokenizer, e.g. the `small` preset exported with --target cpu).
 For each batch size: the time per output token of `--tokens` greedy tokens without a grammar (the step loop, as
 `generate` runs it), then the same number of steps of masking alone: every row holds a matcher of a JSON schema
-answer (runtime/constrained.py) and samples its next token from the model's vocabulary under the mask (random
+answer (runtime/text/constrained.py) and samples its next token from the model's vocabulary under the mask (random
 logits: the mask's cost depends on the grammar's state, not on the values). The mask cost is per row, in turn,
 on the step loop's thread: at batch B a step pays it B times.
 """
@@ -25,10 +25,10 @@ import numpy as np
 from k2deploy.bench.device import cpu_model
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
-from k2deploy.runtime.constrained import Grammars, json_grammar
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.decode_choice import load_model
-from k2deploy.runtime.sampling import SamplingParams, sample
+from k2deploy.runtime.text.constrained import Grammars, json_grammar
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.engine.sampling import SamplingParams, sample
 
 SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["celsius", "fahrenheit"]},

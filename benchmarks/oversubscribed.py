@@ -1,6 +1,6 @@
 """Decode when a process asks for more threads than it gets cores: more threads than the host has, two processes
 side by side, a busy process beside it. The native step's pool spins only while each thread has a core to itself
-(runtime/native/decode_step.c); this measures what a step costs when they do not.
+(runtime/backends/native/decode_step.c); this measures what a step costs when they do not.
 
     . .venv/bin/activate && python benchmarks/oversubscribed.py [ART] [--rounds 3] [--prompt-len 128]
         [--new-tokens 64] [--json]

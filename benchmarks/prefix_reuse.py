@@ -21,10 +21,10 @@ import statistics
 import numpy as np
 
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.decode_choice import load_model
-from k2deploy.runtime.requests import GenerationRequest
-from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.runtime.step_loop import StepLoop
+from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.engine.requests import GenerationRequest
+from k2deploy.runtime.engine.sampling import SamplingParams
+from k2deploy.runtime.engine.step_loop import StepLoop
 
 
 def chats(model, prefix_cache: bool, system: list[int], users: list[list[list[int]]], answer: int) -> list[dict]:

@@ -39,7 +39,7 @@ def even_placement(layers: int, stages: int) -> str:
 def time_decode(model, batch: int, context: int, steps: int, warmup: int, seed: int) -> list[float]:
     """Seconds per decode step (one token for each of `batch` rows) after a prompt of `context` tokens per row,
     through the step loop's forward."""
-    from k2deploy.runtime.batch_forward import BatchForward
+    from k2deploy.runtime.engine.batch_forward import BatchForward
 
     rng = np.random.default_rng(seed)
     slots = list(range(batch))
@@ -82,9 +82,9 @@ def main(argv=None) -> int:
     import ray
 
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.backends import load_backend
-    from k2deploy.runtime.ort_backend import OrtModel
-    from k2deploy.runtime.placed import load_placed
+    from k2deploy.runtime.loading import load_backend
+    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.stages.placed import load_placed
 
     checkpoint, config = ensure_checkpoint(args.work, args.preset, None, [], 0)
     artifact = ensure_artifact(args.work, checkpoint, config, None, args.target)

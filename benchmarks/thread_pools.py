@@ -1,5 +1,5 @@
 """How a process's threads are organised, measured: one ONNX Runtime pool shared by every session with decode
-through the native step (what the runtime does, `runtime/thread_pool.py`, `runtime/native_decode.py`), the same
+through the native step (what the runtime does, `runtime/backends/thread_pool.py`, `runtime/backends/native_decode.py`), the same
 pool with decode through the graphs too, and a pool per session with its threads spinning between runs or not.
 
     . .venv/bin/activate && python benchmarks/thread_pools.py [ART] [--threads 1,2] [--rounds 3] [--json]
@@ -53,9 +53,9 @@ import json, statistics, sys, time
 import numpy as np
 import onnxruntime as ort
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime import decode_choice, ort_backend, thread_pool
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.backends import decode_choice, ort_backend, thread_pool
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.engine.sampling import SamplingParams
 
 artifact, config = sys.argv[1], sys.argv[2]
 threads, prompt_len, new_tokens, idle_ms = (int(a) for a in sys.argv[3:7])

@@ -35,12 +35,12 @@ from starlette.testclient import TestClient
 from k2deploy.bench.scripted_head import ScriptedHead
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
-from k2deploy.runtime.chat_tools import ToolSteering, calls_made
-from k2deploy.runtime.decode_choice import load_model
+from k2deploy.runtime.text.chat_tools import ToolSteering, calls_made
+from k2deploy.runtime.backends.decode_choice import load_model
 from k2deploy.runtime.serve.app import build_app
 from k2deploy.runtime.serve.engine import Engine
 from k2deploy.runtime.serve.metrics import ServerMetrics
-from k2deploy.runtime.tool_calls import KIMI_K2_MARKERS
+from k2deploy.runtime.text.tool_calls import KIMI_K2_MARKERS
 
 MODEL = "k2deploy"
 REQUESTS = Path(__file__).with_name("agent_requests.json")

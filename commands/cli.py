@@ -144,8 +144,8 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
     """The artifact's model on the chosen backend (or placed stages) for one sequence of `positions`."""
     from ..core.manifest import load_manifest
-    from ..runtime.generator import Generator
-    from ..runtime.backends import load_backend
+    from ..runtime.engine.generator import Generator
+    from ..runtime.loading import load_backend
 
     manifest = manifest or load_manifest(args.artifact, hash_graphs=False)  # each graph hashed as it is opened
     return Generator(load_backend(args.backend, manifest, provider=args.provider, threads=args.threads,
@@ -178,7 +178,7 @@ TOOLS_FILE_BYTES = 4 << 20  # a --tools file, at most (the server's request body
 
 
 def _read_tools(path: str) -> list[dict]:
-    from ..runtime.chat_tools import check_tools
+    from ..runtime.text.chat_tools import check_tools
 
     try:
         tools = loads(read_small_text(path, TOOLS_FILE_BYTES, "--tools"))
@@ -192,10 +192,10 @@ def _read_tools(path: str) -> list[dict]:
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from ..core.manifest import load_manifest
-    from ..runtime.chat_tools import ToolSteering
-    from ..runtime.reasoning import reasoning_splitter
-    from ..runtime.sampling import SamplingParams
-    from ..runtime.tool_calls import ToolCallParser
+    from ..runtime.text.chat_tools import ToolSteering
+    from ..runtime.text.reasoning import reasoning_splitter
+    from ..runtime.engine.sampling import SamplingParams
+    from ..runtime.text.tool_calls import ToolCallParser
     from ..core.tokenizer_files import load_tokenizer
 
     if args.tools and not args.chat:
@@ -221,7 +221,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                             logit_bias=_logit_bias(args.logit_bias, manifest.config.vocab_size))
     constraint = None
     if tools:  # the calls name declared functions and their arguments follow the schemas, as the server's do
-        from ..runtime.constrained import GrammarError, Grammars, thinking_mode, tools_grammar
+        from ..runtime.text.constrained import GrammarError, Grammars, thinking_mode, tools_grammar
 
         try:
             constraint = Grammars(tokenizer, manifest.config.vocab_size).constraint(

@@ -34,9 +34,9 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
     from ..export.parity import report
     from ..export.weights import load_transformer
     from ..core.manifest import load_manifest
-    from ..runtime.generator import Generator
-    from ..runtime.ort_backend import OrtModel
-    from ..runtime.sampling import SamplingParams
+    from ..runtime.engine.generator import Generator
+    from ..runtime.backends.ort_backend import OrtModel
+    from ..runtime.engine.sampling import SamplingParams
     from ..core.tokenizer_files import load_tokenizer
 
     rows = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.targets import BACKENDS, PROVIDERS
-from ..runtime.native_decode import DECODE_KERNELS
+from ..runtime.backends.native_decode import DECODE_KERNELS
 
 
 def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "") -> None:

@@ -125,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
     from ..core.manifest import load_manifest
     from ..core.tokenizer_files import load_tokenizer
-    from ..runtime.backends import load_backend
+    from ..runtime.loading import load_backend
     from ..runtime.serve.connections import with_header_deadline
     from ..runtime.serve.engine import Engine
     from ..runtime.serve.metrics import ServerMetrics

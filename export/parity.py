@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..runtime.generator import Generator
-from ..runtime.sampling import SamplingParams
+from ..runtime.engine.generator import Generator
+from ..runtime.engine.sampling import SamplingParams
 from . import reference
 from .model import Transformer
 

@@ -19,11 +19,11 @@ from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
-from k2deploy.runtime.thread_pool import session_options  # noqa: E402
+from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
-from k2deploy.runtime.generator import Generator  # noqa: E402
-from k2deploy.runtime.decode_choice import load_model  # noqa: E402
+from k2deploy.runtime.engine.generator import Generator  # noqa: E402
+from k2deploy.runtime.backends.decode_choice import load_model  # noqa: E402
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 TEACHER_FORCED_STEPS = 256

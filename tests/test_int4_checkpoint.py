@@ -22,9 +22,9 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.export import parity
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.weights import load_transformer
-from k2deploy.runtime.decode_choice import load_model
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.ort_backend import OrtModel
+from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.backends.ort_backend import OrtModel
 
 from cli import run_cli
 
@@ -103,7 +103,7 @@ def test_qmoe_over_the_checkpoints_codes_is_the_eager_maths_to_float_rounding():
 
     from k2deploy import plugins
     from k2deploy.plugins.int4 import EXACT, INT8_ACTIVATIONS, moe_experts_int4
-    from k2deploy.runtime.thread_pool import session_options
+    from k2deploy.runtime.backends.thread_pool import session_options
 
     rng = np.random.default_rng(1)
     e, f, m, n, k = 8, 64, 128, 5, 2

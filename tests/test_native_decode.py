@@ -1,4 +1,4 @@
-"""The native decode step (runtime/native_decode.py): the same token's logits and cache entry as the graphs, the
+"""The native decode step (runtime/backends/native_decode.py): the same token's logits and cache entry as the graphs, the
 choice between them (auto, native, onnx) and its reasons, and its build."""
 
 import _ctypes
@@ -16,16 +16,16 @@ from child_env import child_env
 from cli import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime import decode_choice, native_build
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.native_build import NativeUnavailable
-from k2deploy.runtime.native_decode import GraphWeights, NativeDecoder
-from k2deploy.runtime.decode_choice import load_model
-from k2deploy.runtime.native_model import NativeModel
-from k2deploy.runtime.ort_backend import OrtModel
-from k2deploy.runtime.requests import GenerationRequest, TokenLogprob
-from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.runtime.step_loop import StepLoop
+from k2deploy.runtime.backends import decode_choice, native_build
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.backends.native_build import NativeUnavailable
+from k2deploy.runtime.backends.native_decode import GraphWeights, NativeDecoder
+from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native_model import NativeModel
+from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.engine.requests import GenerationRequest, TokenLogprob
+from k2deploy.runtime.engine.sampling import SamplingParams
+from k2deploy.runtime.engine.step_loop import StepLoop
 
 PROMPT = [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401]
 STEPS = 48
@@ -145,8 +145,8 @@ _LOGITS_HASH = """
 import hashlib, sys
 import numpy as np
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.decode_choice import load_model
-from k2deploy.runtime.kv_cache import LatentPages
+from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.host_pages import LatentPages
 model = load_model(load_manifest(sys.argv[1]), threads=int(sys.argv[2]), decode="native")
 store, table, digest = LatentPages(model.kv_cache, model.num_layers, 3), np.arange(3), hashlib.sha256()
 for position in range(156):
@@ -264,7 +264,7 @@ def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
 
 
 def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
-    monkeypatch.setattr("k2deploy.runtime.native_decode.available_memory", lambda: 1 << 20)
+    monkeypatch.setattr("k2deploy.runtime.backends.native_decode.available_memory", lambda: 1 << 20)
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto")
     assert not isinstance(model, NativeModel) and "into memory of its own" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
@@ -281,7 +281,7 @@ def test_a_model_past_the_steps_routing_limits_keeps_to_the_graphs(tiny_cpu_arti
 def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_artifact, monkeypatch):
     """The library's constants and struct sizes (k2_contract) are checked against the Python side's at load."""
     _native_or_skip(tiny_cpu_artifact)
-    monkeypatch.setattr("k2deploy.runtime.native_decode.PAGE_SIZE", 32)
+    monkeypatch.setattr("k2deploy.runtime.backends.native_decode.PAGE_SIZE", 32)
     with pytest.raises(NativeUnavailable, match="does not match this runtime: page 64 \\(here 32\\)"):
         NativeDecoder(load_manifest(tiny_cpu_artifact), 1, 64)
 

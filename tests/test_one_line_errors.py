@@ -141,7 +141,7 @@ def test_partial_folders_of_killed_runs_are_removed(tmp_path):
 
 
 def test_non_finite_logits_stop_sampling():
-    from k2deploy.runtime.sampling import SamplingParams, sample
+    from k2deploy.runtime.engine.sampling import SamplingParams, sample
 
     with pytest.raises(K2Error, match="non-finite logits"):
         sample(np.array([0.1, np.nan, 0.3], dtype=np.float32), SamplingParams(), np.random.default_rng(0))

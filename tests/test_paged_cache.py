@@ -6,7 +6,7 @@ import pytest
 
 from k2deploy.core.cache_format import PAGE_SIZE
 from k2deploy.core.errors import K2Error
-from k2deploy.runtime.page_pool import PagePool, PoolFull, chain_hashes
+from k2deploy.runtime.cache.page_pool import PagePool, PoolFull, chain_hashes
 
 
 def _prompt(length, seed):
@@ -39,7 +39,7 @@ def test_a_pool_reuses_the_longest_cached_chain_and_evicts_least_recently_releas
 def models(tiny_artifacts, tiny_cpu_artifact):
     pytest.importorskip("onnxruntime")
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.backends.ort_backend import OrtModel
 
     return {name: OrtModel(load_manifest(path)) for name, path in
             (("fp8", tiny_artifacts["fp8"]), ("bf16", tiny_artifacts["bf16"]), ("cpu", tiny_cpu_artifact))}
@@ -47,7 +47,7 @@ def models(tiny_artifacts, tiny_cpu_artifact):
 
 def _prefill(model, cache, slot, prompt):
     """Admits a prompt into a slot (reusing what the cache finds) and prefills the rest -> (reused, last logits)."""
-    from k2deploy.runtime.batch_forward import BatchForward
+    from k2deploy.runtime.engine.batch_forward import BatchForward
 
     reused = cache.admit(slot, prompt)
     return reused, BatchForward(model, cache).prefill([slot], [prompt[reused:]])[0]
@@ -55,7 +55,7 @@ def _prefill(model, cache, slot, prompt):
 
 def _fresh(model, prompt):
     """The prompt's last logits from one prefill into a cache without reuse."""
-    from k2deploy.runtime.batch_forward import BatchForward
+    from k2deploy.runtime.engine.batch_forward import BatchForward
 
     cache = model.new_cache(1, 1024, prefix_cache=False)
     assert cache.admit(0, prompt) == 0
@@ -88,8 +88,8 @@ def _same_to_rounding(actual, expected, name="bf16"):
 def test_a_choice_of_the_same_prompt_takes_its_full_pages_and_a_copy_of_its_last():
     from k2deploy.core.cache_format import CacheFormat
     from k2deploy.core.checkpoint.presets import preset_config
-    from k2deploy.runtime.cache import Cache
-    from k2deploy.runtime.kv_cache import LatentPages
+    from k2deploy.runtime.cache.slots import Cache
+    from k2deploy.runtime.backends.host_pages import LatentPages
 
     store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=2, pages=6)
     cache = Cache(slots=3, max_len=4 * PAGE_SIZE, pages=6, store=store)
@@ -113,8 +113,8 @@ def test_the_graphs_gather_only_the_pages_that_hold_the_past():
     new entries through the whole table."""
     from k2deploy.core.cache_format import CacheFormat
     from k2deploy.core.checkpoint.presets import preset_config
-    from k2deploy.runtime.cache import Cache
-    from k2deploy.runtime.kv_cache import LatentPages
+    from k2deploy.runtime.cache.slots import Cache
+    from k2deploy.runtime.backends.host_pages import LatentPages
 
     store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=1, pages=8)
     cache = Cache(slots=2, max_len=4 * PAGE_SIZE, pages=8, store=store)
@@ -151,8 +151,8 @@ def test_a_texts_logits_do_not_depend_on_how_it_is_chunked(models, name):
     """score (one prefill of the whole text) equals a prefill in two chunks and then one decode step per token,
     at every position, to float rounding, over every cache format: each forward attends to its own new
     positions as the cache stores them, as every later forward reads them."""
-    from k2deploy.runtime.batch_forward import BatchForward
-    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.engine.batch_forward import BatchForward
+    from k2deploy.runtime.engine.generator import Generator
 
     model = models[name]
     text = _prompt(PAGE_SIZE + 21, seed=20)
@@ -181,15 +181,15 @@ def test_a_prefix_evicted_partway_reuses_its_head_and_gives_the_same_logits(mode
 
 
 def _requests(prompts, new_tokens):
-    from k2deploy.runtime.requests import GenerationRequest
-    from k2deploy.runtime.sampling import SamplingParams
+    from k2deploy.runtime.engine.requests import GenerationRequest
+    from k2deploy.runtime.engine.sampling import SamplingParams
 
     return [GenerationRequest(list(p), SamplingParams(max_new_tokens=new_tokens), (), None, lambda update: None, row=i)
             for i, p in enumerate(prompts)]
 
 
 def test_a_request_preempted_when_the_pool_runs_out_generates_what_it_would_alone(models):
-    from k2deploy.runtime.step_loop import StepLoop
+    from k2deploy.runtime.engine.step_loop import StepLoop
 
     model = models["bf16"]
     prompts = [_prompt(PAGE_SIZE - 8, seed=6), _prompt(PAGE_SIZE - 4, seed=7)]
@@ -211,7 +211,7 @@ def test_a_request_preempted_when_the_pool_runs_out_generates_what_it_would_alon
 
 
 def test_a_request_that_alone_outgrows_the_pool_ends_with_length(models):
-    from k2deploy.runtime.step_loop import StepLoop
+    from k2deploy.runtime.engine.step_loop import StepLoop
 
     loop = StepLoop(models["bf16"], 1, 1024, max_queue=0, pages=1)
     (request,) = _requests([_prompt(PAGE_SIZE - 2, seed=8)], 20)
@@ -222,7 +222,7 @@ def test_a_request_that_alone_outgrows_the_pool_ends_with_length(models):
 
 
 def test_a_prompt_over_the_context_or_the_whole_pool_is_refused(models):
-    from k2deploy.runtime.step_loop import StepLoop
+    from k2deploy.runtime.engine.step_loop import StepLoop
 
     loop = StepLoop(models["bf16"], 2, 100, max_queue=4, pages=1)
     with pytest.raises(K2Error, match="past the context of 100 positions"):
@@ -235,8 +235,8 @@ def test_a_prompt_over_the_context_or_the_whole_pool_is_refused(models):
 def test_generate_reuses_a_prefix_its_prompts_share(models, name):
     """Greedy tokens with reuse equal those without: exactly on the bf16 cache; on the cpu lowering as measured
     (16 tokens after a reused 3-page prefix on tiny: identical for 12 of 12 prompts)."""
-    from k2deploy.runtime.generator import Generator
-    from k2deploy.runtime.sampling import SamplingParams
+    from k2deploy.runtime.engine.generator import Generator
+    from k2deploy.runtime.engine.sampling import SamplingParams
 
     shared = _prompt(2 * PAGE_SIZE, seed=10)
     prompts = [shared + _prompt(5, seed=11), shared + _prompt(9, seed=12)]
@@ -284,9 +284,9 @@ def test_on_small_a_reused_prefix_gives_the_logits_and_greedy_tokens_its_prefill
     from k2deploy.core.checkpoint.synthetic import write_checkpoint
     from k2deploy.core.manifest import load_manifest
     from k2deploy.export.exporter import ExportOptions, export_artifact
-    from k2deploy.runtime.generator import Generator
-    from k2deploy.runtime.ort_backend import OrtModel
-    from k2deploy.runtime.sampling import SamplingParams
+    from k2deploy.runtime.engine.generator import Generator
+    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.engine.sampling import SamplingParams
 
     root = tmp_path_factory.mktemp("small")
     checkpoint = write_checkpoint(root / "ckpt", preset_config("small"), seed=0, shard_bytes=SHARD_BYTES["small"])

@@ -17,15 +17,15 @@ from cli import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.placement import parse_placement
-from k2deploy.runtime import ray_compiled
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.ort_backend import OrtModel
-from k2deploy.runtime.pipeline import StageRunner
-from k2deploy.runtime.placed import load_placed
-from k2deploy.runtime.sampling import SamplingParams
-from k2deploy.runtime.stage_messages import pack, unpack
-from k2deploy.runtime.thread_pool import core_cpus, share_cpus
-from k2deploy.runtime.backends import load_backend
+from k2deploy.runtime.stages import ray_compiled
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.stages.pipeline import StageRunner
+from k2deploy.runtime.stages.placed import load_placed
+from k2deploy.runtime.engine.sampling import SamplingParams
+from k2deploy.runtime.stages.stage_messages import pack, unpack
+from k2deploy.runtime.backends.thread_pool import core_cpus, share_cpus
+from k2deploy.runtime.loading import load_backend
 
 ray = pytest.importorskip("ray")
 
@@ -68,7 +68,7 @@ def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_ad
 
 def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compiles_it(tiny_artifacts, ray_address,
                                                                                      monkeypatch):
-    from k2deploy.runtime.requests import GenerationRequest
+    from k2deploy.runtime.engine.requests import GenerationRequest
     from k2deploy.runtime.serve import engine as serve_engine
     from k2deploy.runtime.serve.metrics import ServerMetrics
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from k2deploy.runtime.reasoning import ReasoningSplitter
+from k2deploy.runtime.text.reasoning import ReasoningSplitter
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")

@@ -7,9 +7,9 @@ pytest.importorskip("torch")
 
 from k2deploy.export import parity, reference  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
-from k2deploy.runtime.generator import Generator  # noqa: E402
-from k2deploy.runtime.ort_backend import OrtModel  # noqa: E402
-from k2deploy.runtime.sampling import SamplingParams  # noqa: E402
+from k2deploy.runtime.engine.generator import Generator  # noqa: E402
+from k2deploy.runtime.backends.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.engine.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [
     [5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401],

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from k2deploy.core.errors import K2Error
-from k2deploy.runtime.sampling import SamplingParams, adjusted, sample, token_logprobs
+from k2deploy.runtime.engine.sampling import SamplingParams, adjusted, sample, token_logprobs
 
 LOGITS = np.array([2.0, 1.9, -1.0, 0.5, -3.0], dtype=np.float32)
 

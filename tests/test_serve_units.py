@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.commands.serve_command import add_serve_parser, exposure_warning
 from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
-from k2deploy.runtime.requests import GenerationRequest, TextStream
-from k2deploy.runtime.scheduler import QueueFull, Scheduler
+from k2deploy.runtime.engine.requests import GenerationRequest, TextStream
+from k2deploy.runtime.engine.scheduler import QueueFull, Scheduler
 
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\u00e9"}
 
@@ -122,8 +122,8 @@ def test_a_cache_view_runs_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     """A prompt prefilled and decoded through slot 2 of a 4-slot cache, whose pages are not the first ones, gives
     the logits and cache entries it gives in a cache of its own, and leaves the other pages alone."""
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.batch_forward import BatchForward
-    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.engine.batch_forward import BatchForward
+    from k2deploy.runtime.backends.ort_backend import OrtModel
 
     model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=1)
     prompt = [5, 17, 300, 42, 9]
@@ -159,7 +159,7 @@ def test_serve_registers_on_the_main_parser():
 
 def _tool_request(pieces: list[str], single_call=False, forced="", max_new=32):
     """A chat request whose tokens decode to `pieces` (one token each); ids from 100, 99 stops."""
-    from k2deploy.runtime.tool_calls import ToolCallParser
+    from k2deploy.runtime.text.tool_calls import ToolCallParser
 
     table = dict(enumerate(pieces, start=100))
     request = GenerationRequest([1], SamplingParams(max_new_tokens=max_new, stop_ids=(99,)), (),
@@ -214,7 +214,7 @@ def test_a_request_without_a_tokenizer_sends_token_ids():
 
 
 def test_sampling_never_picks_a_banned_token():
-    from k2deploy.runtime.sampling import sample
+    from k2deploy.runtime.engine.sampling import sample
 
     logits = np.array([0.0, 5.0, 1.0], dtype=np.float32)
     rng = np.random.default_rng(0)

@@ -6,12 +6,12 @@ import json
 import pytest
 
 from k2deploy.core.errors import K2Error
-from k2deploy.runtime.backends import load_backend
-from k2deploy.runtime.tensorrt import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
+from k2deploy.runtime.loading import load_backend
+from k2deploy.runtime.backends.tensorrt import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
 from k2deploy.export.tensorrt_engines import profile_shapes
 from k2deploy.commands.engines_command import add_build_engines_parser
 from k2deploy.commands.runtime_options import add_runtime_options
-from k2deploy.runtime.tensorrt.record import (
+from k2deploy.runtime.backends.tensorrt.record import (
     RECORD_FILE, check_record, engines_dir, find_engines, make_record, read_record, write_record)
 
 H200 = GpuInfo("NVIDIA H200", "9.0")
@@ -122,7 +122,7 @@ def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
 def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
     pytest.importorskip("onnxruntime")
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.ort_backend import OrtModel
+    from k2deploy.runtime.backends.ort_backend import OrtModel
 
     model = load_backend("onnxruntime", load_manifest(tiny_artifacts["fp8"]), provider="cpu", threads=1)
     assert isinstance(model, OrtModel)
@@ -141,7 +141,7 @@ def test_engines_build_and_match_onnxruntime(tiny_artifacts, tmp_path):
     import numpy as np
 
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.generator import Generator
+    from k2deploy.runtime.engine.generator import Generator
     from k2deploy.export.tensorrt_engines import build_engines
 
     artifact = shutil.copytree(tiny_artifacts["fp8"], tmp_path / "art")
@@ -233,8 +233,8 @@ def test_device_views_bind_each_layers_pool_and_the_page_table():
 
 def _device_and_host_pages(layers, pages):
     """DevicePages on FakeCuda and LatentPages of the same pool."""
-    from k2deploy.runtime.kv_cache import LatentPages
-    from k2deploy.runtime.tensorrt.device_cache import DevicePages
+    from k2deploy.runtime.backends.host_pages import LatentPages
+    from k2deploy.runtime.backends.tensorrt.device_cache import DevicePages
 
     cuda = FakeCuda()
     return cuda, DevicePages(CACHE_SPEC, layers, pages, cuda, stream=None), LatentPages(CACHE_SPEC, layers, pages)
@@ -290,7 +290,7 @@ def test_without_tensorrt_each_runtime_command_says_what_to_install(tiny_artifac
 def test_an_engine_whose_inputs_differ_from_the_graph_is_refused_on_load():
     from types import SimpleNamespace
 
-    from k2deploy.runtime.tensorrt.backend import check_engine_io
+    from k2deploy.runtime.backends.tensorrt.backend import check_engine_io
 
     trt = SimpleNamespace(float32="f32", fp8="fp8", bfloat16="bf16", int64="i64")
     graph = {"inputs": [{"name": "hidden", "dtype": "FLOAT"}, {"name": "past_latent", "dtype": "FLOAT8E4M3FN"}],

@@ -16,7 +16,7 @@ from k2deploy.export.tensorrt_graph import (  # noqa: E402
 from k2deploy.core.cache_format import PAGE_SIZE  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
-from k2deploy.runtime.thread_pool import session_options  # noqa: E402
+from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
 
 # What the exported graphs need rewritten for the parser, per graph kind (layer_000 dense, layer_001 MoE).
 EXPECTED_REWRITES = {

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from k2deploy.core.errors import K2Error
-from k2deploy.runtime import thread_pool
+from k2deploy.runtime.backends import thread_pool
 
 # A fresh process: loads the artifact on a pool of N threads, runs a prefill and a decode step, and says how many
 # threads it held before loading and after running, and the pool size the model reports.
@@ -20,9 +20,9 @@ def held():
 
 before = held()
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.generator import Generator
-from k2deploy.runtime.ort_backend import OrtModel
-from k2deploy.runtime.sampling import SamplingParams
+from k2deploy.runtime.engine.generator import Generator
+from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.engine.sampling import SamplingParams
 
 model = OrtModel(load_manifest(sys.argv[1]), threads=int(sys.argv[2]))
 Generator(model).generate([[5, 17, 300, 42]], SamplingParams(max_new_tokens=2))
@@ -70,10 +70,11 @@ def test_without_a_size_the_pool_has_the_hosts_physical_cores_shared_among_its_s
     assert made == [4]
 
 
-def test_zero_threads_is_refused_in_one_line(monkeypatch):
+@pytest.mark.parametrize("threads", [0, thread_pool.MAX_THREADS + 1])
+def test_zero_or_absurdly_many_threads_are_refused_in_one_line(monkeypatch, threads):
     monkeypatch.setattr(thread_pool, "_pool_threads", None)
-    with pytest.raises(K2Error, match="at least 1"):
-        thread_pool.process_threads(0)
+    with pytest.raises(K2Error, match=f"--threads {threads}: give 1 to {thread_pool.MAX_THREADS}"):
+        thread_pool.process_threads(threads)
 
 
 def test_physical_cores_counts_a_core_once(monkeypatch, tmp_path):

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from k2deploy.runtime.tool_calls import KIMI_K2_MARKERS, CallDelta, ParsedDelta, ToolCall, ToolCallParser
+from k2deploy.runtime.text.tool_calls import KIMI_K2_MARKERS, CallDelta, ParsedDelta, ToolCall, ToolCallParser
 from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer
 
 SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = KIMI_K2_MARKERS.all()

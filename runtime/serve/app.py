@@ -27,17 +27,17 @@ from starlette.routing import Route
 
 from ...core.chat_template import ChatTokenizer
 from ...core.errors import K2Error
-from ..chat_tools import ToolSteering, calls_made
-from ..constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
-from ..reasoning import reasoning_splitter
-from ..sampling import SamplingParams
-from ..tool_calls import ToolCallParser
+from ..text.chat_tools import ToolSteering, calls_made
+from ..text.constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
+from ..text.reasoning import reasoning_splitter
+from ..engine.sampling import SamplingParams
+from ..text.tool_calls import ToolCallParser
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
                        parse_json, parse_options, sse, usage)
-from ..requests import GenerationRequest, Update
-from ..scheduler import QueueFull
+from ..engine.requests import GenerationRequest, Update
+from ..engine.scheduler import QueueFull
 
 OPEN_ROUTES = {"/health"}  # reachable without the API key
 RETRY_AFTER_S = "1"

@@ -1,10 +1,10 @@
 """The engine: one thread that owns the model and the cache and runs the server's steps through the step loop
-(`runtime/step_loop.py`, the same loop `k2deploy generate` runs).
+(`runtime/engine/step_loop.py`, the same loop `k2deploy generate` runs).
 
 The HTTP side submits requests; the thread steps while any wait or run, and sleeps otherwise. Coming
 out of idle, the first step waits BURST_WINDOW_S, so that requests sent together prefill together. After
 IDLE_RELEASE_S without work the model lets go of what it holds only to step fast (Ray stages: the compiled graph,
-whose actors poll a core each while they wait; `runtime/ray_stages.py`).
+whose actors poll a core each while they wait; `runtime/stages/ray_stages.py`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import logging
 import threading
 import time
 
-from ..cache import pages_for
-from ..interface import Model
-from ..requests import GenerationRequest, Update
-from ..step_loop import StepLoop
+from ..cache.slots import pages_for
+from ..backends.interface import Model
+from ..engine.requests import GenerationRequest, Update
+from ..engine.step_loop import StepLoop
 from .metrics import ServerMetrics
 
 IDLE_WAIT_S = 0.25
@@ -78,13 +78,12 @@ class Engine:
 
     def _run(self) -> None:
         scheduler = self.loop.scheduler
-        release = getattr(self.model, "release_idle", None)  # models with nothing to release have none
         last_step, released = time.monotonic(), False
         while not self.stopping.is_set():
             idle = not scheduler.running()
             if not scheduler.wait_for_work(IDLE_WAIT_S):
-                if release is not None and not released and time.monotonic() - last_step >= IDLE_RELEASE_S:
-                    release()
+                if not released and time.monotonic() - last_step >= IDLE_RELEASE_S:
+                    self.model.release_idle()
                     released = True
                 continue
             if idle:  # the first request after a pause: let the rest of its burst arrive and prefill with it

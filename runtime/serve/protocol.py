@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 from ...core.errors import K2Error
 from ...core.json_files import loads
-from ..chat_tools import check_tool_choice, check_tools, normalise_call_ids
-from ..schema_limits import SchemaTooLarge, check_schema
-from ..requests import TokenLogprob
-from ..sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
+from ..text.chat_tools import check_tool_choice, check_tools, normalise_call_ids
+from ..text.schema_limits import SchemaTooLarge, check_schema
+from ..engine.requests import TokenLogprob
+from ..engine.sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # serve --max-request-bytes
 DEFAULT_BODY_TIMEOUT_S = 30.0  # serve --body-timeout

@@ -1,0 +1,446 @@
+"""The native step: each sequence's next token, or a prompt's tokens, through runtime/backends/native/decode_step.c.
+
+A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
+and around them than in them, and does not split them over threads well (README "Threads"). The native step runs
+the same maths over the artifact's own weights (its .data files' codes and scales, nothing re-quantised, each
+matrix's rows laid out in tiles, `tiled`), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
+the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each
+weight row is read once and multiplied by every sequence's input, the routed experts that any sequence chose are
+read once for all that chose them, and each sequence's result is the one it gets alone. A prompt is such a batch
+too, its tokens at consecutive positions over the same pages (each layer stores every entry before its attention,
+which reads positions up to its own), so where the native step runs a model it runs prefill as well and the
+layer graphs are never loaded (runtime/backends/ort_backend.py): every token's result is the one it gets alone, whatever
+else is in the batch and however its prompt is chunked. Every other artifact runs through the graphs.
+
+What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
+linears: MatMulNBits, int8 blocks of the input dim, activations quantised per block (absmax / 127); attention:
+MlaAttentionInt8Cache over the int8 cache read in place, W_UK and W_UV int8 per output column (held four input rows
+interleaved), the query rows and the probabilities quantised per row as the graph does; routing: MoeRoute (sigmoid,
+correction bias, group limit, top-k with ties to the lower id, normalise, scale); experts: QMoE's fused SwiGLU
+(gate and up rows interleaved), 8-bit int8 blocks or an INT4 checkpoint's own 4-bit codes (zero point 8, float32
+group scales), activations quantised per block or group (ONNX Runtime's QMoE with accuracy_level 4 does the same:
+measured equal to 1e-7 with 8 bits, 4e-7 with 4). Layer by layer its output is the graph's to float rounding
+(tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
+near-tied expert flips now and then.
+
+The weights are held once: the layer and head files are read one at a time into memory of the step's own, laid
+out in tiles and let go (the embedding is mapped: a step reads one row of it); ONNX Runtime's sessions are not
+loaded beside them. With too little memory for that, `auto` keeps to the graphs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from ...core.cache_format import PAGE_SIZE
+from ...core.config import yarn_mscale
+from ...core.errors import K2Error
+from ...core.host_memory import available_memory
+from ...core.manifest import Manifest
+from ...core.onnx_wire import external_initializers
+from .mapped_file import MappedFile
+from .native_build import NativeUnavailable, contract, library
+from .thread_pool import core_cpus
+
+
+_ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+DECODE_KERNELS = ("auto", "native", "onnx")  # --decode: what runs a model on the cpu (runtime/backends/decode_choice.py)
+STEP_BATCH = 128  # tokens (or head rows) one native call takes at most: bounds its scratch
+TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
+
+
+class Lin(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("s", _ptr), ("n", _int), ("k", _int), ("block", _int), ("bits", _int)]
+
+
+class Dims(ctypes.Structure):
+    _fields_ = [(name, _int) for name in ("hidden", "heads", "nope", "rope", "v", "latent", "q_rank", "vocab", "top_k",
+                                          "n_group", "topk_group", "normalise", "max_len")] + \
+               [(name, _float) for name in ("eps", "softmax_scale", "rope_scale", "scaling")]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("q_norm", _ptr), ("kv_norm", _ptr), ("post_norm", _ptr), ("frequencies", _ptr),
+                ("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("o", Lin), ("w_uk", _ptr), ("w_uv", _ptr),
+                ("uk_s", _ptr), ("uv_s", _ptr), ("moe", _int), ("experts", _int), ("width", _int),
+                ("gate", Lin), ("up", Lin), ("down", Lin), ("router", _ptr), ("bias", _ptr), ("fc1", _ptr),
+                ("fc2", _ptr), ("fc1_s", _ptr), ("fc2_s", _ptr), ("block", _int), ("bits", _int)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("d", Dims), ("layers", _int), ("layer", ctypes.POINTER(Layer)), ("embed", _ptr),
+                ("final_norm", _ptr), ("head", Lin)]
+
+
+class Pages(ctypes.Structure):
+    _fields_ = [("latent", _ptr), ("scale", _ptr), ("rope", _ptr)]
+
+
+def _address(array: np.ndarray) -> int:
+    return array.ctypes.data
+
+
+def four_rows(w: np.ndarray) -> np.ndarray:
+    """[h, k, n] -> [h, k / 4, n, 4]: each run of four input rows interleaved per column, so that one int8 dot
+    instruction takes four rows' products for 16 columns (decode_step.c columns_product)."""
+    h, k, n = w.shape
+    return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))
+
+
+def _huge(nbytes: int) -> np.ndarray:
+    """Zeroed anonymous memory advised to use huge pages, as bytes: streaming a product's rows then crosses few page
+    boundaries (the hardware prefetchers stop at each one). Measured on `small`'s head, 32 MiB: 1.47 ms against 2.0
+    through a mapping of the file's 4 KiB page-cache pages."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return np.zeros(nbytes, np.uint8)
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
+
+
+def tiled(lib: ctypes.CDLL, codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8,
+          done=lambda source: None) -> tuple[np.ndarray, np.ndarray]:
+    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it, laid out by its k2_lay_out: codes [..., n, k]
+    uint8 (bits 8) or [..., n, k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] float32 ->
+    codes [..., tiles, k / 4, tile, 4] (bits 8: each tile's rows side by side, four inputs at a time, so that one int8
+    dot instruction takes 16 rows and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], inputs 8 i .. 8 i +
+    3 of each row in the low nibbles, 8 i + 4 .. 8 i + 7 in the high ones) and scales [..., tiles, k / block, tile],
+    in memory of its own (`_huge`), one matrix of a stack at a time; done(source) is told each matrix's codes and
+    scales once they are laid out."""
+    *lead, n, width = codes.shape
+    blocks = scales.shape[-1]
+    count, matrices = -(-n // tile), int(np.prod(lead, dtype=np.int64))
+    laid_codes = _huge(matrices * count * tile * width).reshape(matrices, -1)
+    laid_scales = _huge(matrices * count * tile * blocks * 4).view(np.float32).reshape(matrices, -1)
+    flat_codes, flat_scales = codes.reshape(-1, n, width), scales.reshape(-1, n, blocks)
+
+    def lay_out(i: int) -> None:  # ctypes lets go of the GIL: the matrices of a stack are laid out on every core
+        source, source_scales = np.ascontiguousarray(flat_codes[i]), np.ascontiguousarray(flat_scales[i], np.float32)
+        lib.k2_lay_out(_address(source), _address(source_scales), n, width * 8 // bits, blocks, bits,
+                       _address(laid_codes[i]), _address(laid_scales[i]))
+        done(flat_codes[i])
+        done(flat_scales[i])
+
+    with ThreadPoolExecutor(max_workers=max(1, min(matrices, len(core_cpus())))) as pool:
+        list(pool.map(lay_out, range(matrices)))
+    return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
+
+
+class GraphWeights:
+    """One graph's external initializers as arrays over its .data file (mapped, and hashed in the same read where
+    the manifest's sha256 is still to check: runtime/backends/mapped_file.py), checked against the shapes the native step
+    reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each weight are let
+    go of as soon as it is laid out, so a process never holds a layer twice."""
+
+    def __init__(self, manifest: Manifest, name: str, lib: ctypes.CDLL, tile: int = 64, drop: bool = False):
+        """lib: the native library (its k2_lay_out lays the tiles out); tile: the rows of a weight tile (its TILE);
+        drop: pages laid out leave the page cache too (MappedFile)."""
+        self.manifest, self.lib, self.tile = manifest, lib, tile
+        self.path = manifest.graph_file(name, hash_data=False)
+        self.data_name = manifest.graph_entry(name)["data"]
+        self.tensors = external_initializers(self.path)
+        self.file: MappedFile | None = None
+        self.sha256, self.drop = manifest.data_sha256(name), drop
+        self.held: list[np.ndarray] = []  # arrays made here (widened, tiled), kept alive with the model
+
+    def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
+        spec = self.tensors.get(name)
+        if spec is None or spec.dims != shape or spec.data_type not in types:
+            found = "missing" if spec is None else f"{list(spec.dims)} of type {spec.data_type}"
+            raise NativeUnavailable(f"{self.path.name}: {name} is {found}, the native step reads {list(shape)}")
+        if self.file is None:  # graph_file checked that every location is the graph's listed data file
+            self.file = MappedFile(self.manifest.path(self.data_name), self.sha256, self.drop)
+        data = self.file.bytes
+        dtype = np.dtype(TYPES[spec.data_type])
+        length = int(np.prod(shape)) * dtype.itemsize
+        if spec.offset < 0 or spec.length not in (-1, length) or spec.offset + length > len(data):
+            raise K2Error(f"{self.path}: {name}'s data ({spec.offset} + {length} bytes) does not fit "
+                          f"{spec.location} ({len(data)} bytes); re-export the artifact")
+        return data[spec.offset:spec.offset + length].view(dtype).reshape(shape)
+
+    def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 or bfloat16 tensor as float32, a copy (the file's bytes are let go once read, `release`)."""
+        raw = self.array(name, shape, (1, 16))
+        if raw.dtype == np.uint16:
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        return self.keep(np.array(raw, dtype=np.float32))
+
+    def keep(self, array: np.ndarray) -> np.ndarray:
+        self.held.append(array)
+        return array
+
+    def linear(self, name: str, rows: int, cols: int) -> Lin:
+        """`name`.weight_int8 [rows, cols / block, block] and its scales [rows, cols / block], tiled."""
+        spec = self.tensors.get(f"{name}.weight_int8")
+        if spec is None or len(spec.dims) != 3 or not spec.dims[2] or cols % spec.dims[2] or spec.dims[2] % 4:
+            raise NativeUnavailable(f"{self.path.name}: {name} is not an int8 block linear of {cols} inputs")
+        block = spec.dims[2]
+        codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,)).reshape(rows, cols)
+        scales = self.array(f"{name}.weight_int8_scale", (rows, cols // block), (1,))
+        codes, scales = self.tiles(codes, scales)
+        return Lin(_address(codes), _address(scales), rows, cols, block, 8)
+
+    def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+        """`tiled`, kept alive with the model; the file's pages under each matrix let go of once it is laid out."""
+        codes, scales = tiled(self.lib, codes, scales, self.tile, bits, self.file.forget)
+        return self.keep(codes), self.keep(scales)
+
+    def checked(self) -> None:
+        """A K2Error unless the data file read through is the one the manifest lists (waits for its hash)."""
+        if self.file is not None and self.sha256 is not None:
+            self.manifest.check_sha256(self.data_name, self.file.hash())
+
+    def release(self) -> None:
+        """Checks the data file (`checked`), then lets go of it: everything the step reads from it is copied out."""
+        self.checked()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class NativeDecoder:
+    """The whole model's decode step for one or several sequences over one artifact's weights (a cpu-target artifact
+    with the int8 cache, int8 linears and 8-bit or 4-bit routed experts); NativeUnavailable where the artifact or host does
+    not fit."""
+
+    @staticmethod
+    def check_target(manifest: Manifest) -> None:
+        """NativeUnavailable unless the artifact is lowered for the cpu target with the int8 cache."""
+        target, cache = manifest.data.get("target"), manifest.kv_cache.get("format")
+        if target != "cpu" or cache != "int8":
+            raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
+                                    f"{cache}")
+
+    def __init__(self, manifest: Manifest, threads: int, max_len: int):
+        self.check_target(manifest)
+        c = self.config = manifest.config
+        self.lib = library()
+        self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
+        built = contract(self.lib)
+        ours = {"page": PAGE_SIZE, "sizeof_lin": ctypes.sizeof(Lin), "sizeof_dims": ctypes.sizeof(Dims),
+                "sizeof_layer": ctypes.sizeof(Layer), "sizeof_model": ctypes.sizeof(Model),
+                "sizeof_pages": ctypes.sizeof(Pages)}
+        differ = [f"{name} {built[name]} (here {value})" for name, value in ours.items() if built[name] != value]
+        if differ:
+            raise NativeUnavailable(f"its build does not match this runtime: {', '.join(differ)}; delete "
+                                    f"{Path(self.lib._name).parent} to rebuild it")
+        limits = {"num_experts_per_tok": built["max_top_k"], "n_group": built["max_groups"],
+                  "topk_group": built["max_groups"], "n_routed_experts": built["max_experts"]}
+        over = [f"{name} {getattr(c, name)} (at most {most})" for name, most in limits.items() if getattr(c, name) > most]
+        if over:
+            raise NativeUnavailable(f"its routing takes at most the sizes it was built for: {', '.join(over)}")
+        if c.q_lora_rank is None:
+            raise NativeUnavailable("it needs q_lora_rank (q_a_proj and q_b_proj)")
+        names = [f"layer_{i:03d}" for i in range(c.num_hidden_layers)] + ["head"]
+        self.held_bytes = sum(manifest.data["files"][manifest.graph_entry(name)["data"]]["bytes"] for name in names)
+        available = available_memory()
+        if available is not None and self.held_bytes > available:
+            raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
+                                    f"memory of its own, and {available / 2**30:.1f} GiB is available")
+        tile = built["tile"]
+        drop = available is not None and self.held_bytes > available // 2  # the file's pages and the tiles: not both
+        self.graphs = [GraphWeights(manifest, name, self.lib, tile, drop) for name in names[:-1]]
+        layers = []
+        for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
+            layers.append(self._layer(index, g))
+            g.release()
+        self.layers = (Layer * c.num_hidden_layers)(*layers)
+        embed = GraphWeights(manifest, "embed", self.lib)  # mapped, not laid out: a step reads one row
+        head = GraphWeights(manifest, "head", self.lib, tile, drop)
+        self.graphs += [embed, head]
+        table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
+        dims = self._dims(max_len)
+        self.model = Model(dims, c.num_hidden_layers, self.layers, _address(table),
+                           _address(head.floats("norm.weight", (c.hidden_size,))),
+                           head.linear("lm_head", c.vocab_size, c.hidden_size))
+        head.release()
+        embed.checked()
+        self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
+        self.scratch = np.zeros(0, np.float32)
+        self._room_for(1, NativeUnavailable)
+        self.threads = self.lib.k2_pool_start(self.threads_asked, _address(self.cpus(self.threads_asked)))  # last: nothing left to refuse
+        self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
+
+    def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:
+        """Scratch for a step of `batch` sequences (grown, never shrunk); `error` where it would take over a quarter
+        of the available memory."""
+        if batch <= self.batch:
+            return
+        floats = self.lib.k2_scratch_floats(ctypes.addressof(self.model), self.threads_asked, batch)
+        available = available_memory()
+        if available is not None and floats * 4 > available // 4:
+            raise error(f"its scratch for {batch} sequence(s) of up to {self.max_len} positions "
+                        f"({floats * 4 / 2**30:.1f} GiB) is over a quarter of the available memory")
+        self.scratch, self.batch = np.zeros(floats, np.float32), batch
+
+    def cpus(self, threads: int) -> np.ndarray:
+        """Thread t's CPU: the first CPU of each physical core this process may run on, in turn -> int32 [threads];
+        -1 for the threads past the cores (a step runs on at most as many threads as there are cores) and
+        everywhere where the system cannot pin."""
+        cores = core_cpus() if hasattr(os, "sched_setaffinity") else []
+        pinned = [core[0] for core in cores[:threads]]
+        return np.array(pinned + [-1] * (threads - len(pinned)), np.int32)
+
+    def _dims(self, max_len: int) -> Dims:
+        c = self.config
+        yarn = c.rope_scaling
+        rope_scale = 1.0 if yarn is None else (yarn_mscale(yarn["factor"], yarn.get("mscale", 1))
+                                               / yarn_mscale(yarn["factor"], yarn.get("mscale_all_dim", 0)))
+        return Dims(c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                    c.kv_lora_rank, c.q_lora_rank, c.vocab_size, c.num_experts_per_tok, c.n_group, c.topk_group,
+                    int(bool(c.norm_topk_prob)), max_len, c.rms_norm_eps, c.softmax_scale, rope_scale,
+                    c.routed_scaling_factor)
+
+    def _layer(self, index: int, g: GraphWeights) -> Layer:
+        c = self.config
+        m, h, d, r, v, lat = (c.hidden_size, c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim,
+                              c.v_head_dim, c.kv_lora_rank)
+        attn = "self_attn."
+        if d % 4 or lat % 4:
+            raise NativeUnavailable(f"it takes W_UK and W_UV four input rows at a time: qk_nope_head_dim {d} and "
+                                    f"kv_lora_rank {lat} must be multiples of 4")
+        w_uk = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uk_int8", (h, d, lat), (2,))))
+        w_uv = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uv_int8", (h, lat, v), (2,))))
+        layer = Layer(
+            in_norm=_address(g.floats("input_layernorm.weight", (m,))),
+            q_norm=_address(g.floats(f"{attn}q_a_layernorm.weight", (c.q_lora_rank,))),
+            kv_norm=_address(g.floats(f"{attn}kv_a_layernorm.weight", (lat,))),
+            post_norm=_address(g.floats("post_attention_layernorm.weight", (m,))),
+            frequencies=_address(g.floats(f"{attn}rotary.frequencies", (r // 2,))),
+            q_a=g.linear(f"{attn}q_a_proj", c.q_lora_rank, m),
+            q_b=g.linear(f"{attn}q_b_proj", h * (d + r), c.q_lora_rank),
+            kv_a=g.linear(f"{attn}kv_a_proj_with_mqa", lat + r, m),
+            o=g.linear(f"{attn}o_proj", m, h * v),
+            w_uk=_address(w_uk), w_uv=_address(w_uv),
+            uk_s=_address(g.floats(f"{attn}kv_b_proj.w_uk_scale", (h, 1, lat))),
+            uv_s=_address(g.floats(f"{attn}kv_b_proj.w_uv_scale", (h, 1, v))))
+        if not c.is_moe_layer(index):
+            f = c.intermediate_size
+            layer.width = f
+            layer.gate, layer.up = g.linear("mlp.gate_proj", f, m), g.linear("mlp.up_proj", f, m)
+            layer.down = g.linear("mlp.down_proj", m, f)
+            return layer
+        e, f = c.n_routed_experts, c.moe_intermediate_size
+        layer.moe, layer.experts, layer.width = 1, e, f
+        self._experts(g, layer, e, f, m)
+        layer.router = _address(g.floats("mlp.gate.weight", (e, m)))
+        layer.bias = _address(g.floats("mlp.gate.e_score_correction_bias", (e,)))
+        if c.n_shared_experts:
+            width = f * c.n_shared_experts
+            shared = "mlp.shared_experts."
+            layer.gate, layer.up = g.linear(f"{shared}gate_proj", width, m), g.linear(f"{shared}up_proj", width, m)
+            layer.down = g.linear(f"{shared}down_proj", m, width)
+        return layer
+
+    def layer_step(self, layer: int, hidden: np.ndarray, position: int, page_table: np.ndarray,
+                   pools: dict[str, np.ndarray]) -> np.ndarray:
+        """One decoder layer for one sequence: hidden [m] in, the layer's output [m] out (a new array); the layer's
+        new entry at `position` lands in its page of `pools` (that layer's latent, latent_scale and rope pools,
+        [pages, PAGE_SIZE, width])."""
+        out = np.array(hidden, dtype=np.float32).reshape(self.config.hidden_size)
+        table = np.ascontiguousarray(page_table, dtype=np.int64)
+        pages = (Pages * 1)(Pages(_address(pools["latent"]), _address(pools["latent_scale"]), _address(pools["rope"])))
+        status = self.lib.k2_decode_layers(ctypes.addressof(self.model), layer, 1, 1, _address(np.array([position], np.int32)),
+                                           _address(table), len(table), ctypes.addressof(pages), _address(out),
+                                           _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused layer {layer} at position {position}")
+        return out
+
+    @staticmethod
+    def _experts(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
+        """The routed experts, fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f], as QMoE holds them:
+        int8 blocks (bytes code + 128, `experts_fc*_weight`, one float32 scale a block) or an INT4 checkpoint's own
+        4-bit codes (zero point 8, two a byte, the lower input in the low nibble, `experts_fc*_codes`, one float32
+        scale a group)."""
+        bits = 4 if "mlp.experts_fc1_codes" in g.tensors else 8
+        codes, scales, multiple = ("codes", "scales", 8) if bits == 4 else ("weight", "scale", 4)
+        scale = g.tensors.get(f"mlp.experts_fc1_{scales}")
+        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
+            raise NativeUnavailable(f"{g.path.name}: the routed experts are neither 8-bit int8 blocks nor 4-bit codes "
+                                    f"with one scale a block of the hidden size")
+        block = m // scale.dims[2]
+        if f % block or block % multiple:
+            raise NativeUnavailable(f"{g.path.name}: the experts' {bits}-bit block {block} does not divide their width "
+                                    f"{f} or is not a multiple of {multiple}")
+        per_byte = 8 // bits
+        fc1, fc1_s = g.tiles(g.array(f"mlp.experts_fc1_{codes}", (e, 2 * f, m // per_byte), (2,)),
+                             g.array(f"mlp.experts_fc1_{scales}", (e, 2 * f, m // block), (1,)), bits)
+        fc2, fc2_s = g.tiles(g.array(f"mlp.experts_fc2_{codes}", (e, m, f // per_byte), (2,)),
+                             g.array(f"mlp.experts_fc2_{scales}", (e, m, f // block), (1,)), bits)
+        layer.block, layer.bits = block, bits
+        layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
+
+    def step(self, token: int, position: int, page_table: np.ndarray, arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """token at position (the sequence holds `position` entries before it), page_table [n] the sequence's
+        pages, arrays the cache's pools by name ([layers, pages, PAGE_SIZE, width]) -> hidden [m], the last layer's
+        output; every layer's new entry lands in its page."""
+        return self.steps(np.array([token]), np.array([position]), np.asarray(page_table)[None], arrays)[0]
+
+    def steps(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
+              arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """One token for each of a batch of sequences: tokens, positions [b], page_tables [b, n] -> hidden [b, m].
+        Each weight is read once for the batch; each sequence's result is the one it gets alone."""
+        c = self.config
+        tokens, positions = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+        tables = np.ascontiguousarray(page_tables, dtype=np.int64)
+        batch = len(tokens)
+        if tokens.ndim != 1 or positions.shape != (batch,) or tables.ndim != 2 or len(tables) != batch or not batch:
+            raise K2Error(f"a step takes one token, position and page table per sequence; got tokens of shape "
+                          f"{tokens.shape}, positions of shape {positions.shape} and page tables of shape {tables.shape}")
+        bad = (tokens < 0) | (tokens >= c.vocab_size)
+        if bad.any():
+            raise K2Error(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{c.vocab_size - 1})")
+        bad = (positions < 0) | (positions >= min(self.max_len, tables.shape[1] * PAGE_SIZE))
+        if bad.any():
+            raise K2Error(f"position {int(positions[bad][0])} is past the sequence's pages or the model's "
+                          f"{self.max_len} positions")
+        latent, scale, rope = arrays["latent"], arrays["latent_scale"], arrays["rope"]
+        if tables.min() < 0 or tables.max() >= latent.shape[1]:
+            raise K2Error("the page table names pages the cache does not hold")
+        tokens, positions = tokens.astype(np.int32), positions.astype(np.int32)  # in range: checked above
+        self._room_for(batch)
+        hidden = np.empty((batch, c.hidden_size), np.float32)
+        pages = self._layer_pools(latent, scale, rope)
+        status = self.lib.k2_decode_step(ctypes.addressof(self.model), batch, _address(tokens), _address(positions),
+                                         _address(tables), tables.shape[1], ctypes.addressof(pages),
+                                         _address(hidden), _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused tokens {tokens.tolist()} at positions {positions.tolist()}")
+        return hidden
+
+    def _layer_pools(self, latent: np.ndarray, scale: np.ndarray, rope: np.ndarray) -> ctypes.Array:
+        """Each layer's pools [pages, PAGE_SIZE, width], made once per cache (a step otherwise rebuilds them)."""
+        key = (_address(latent), _address(scale), _address(rope), latent.shape[1])
+        if self._pools is None or self._pools[0] != key:
+            c, layers = self.config, self.config.num_hidden_layers
+            pages = latent.shape[1] if latent.ndim == 4 else -1
+            expected = {"latent": (latent, (layers, pages, PAGE_SIZE, c.kv_lora_rank), (np.uint8,)),
+                        "latent_scale": (scale, (layers, pages, PAGE_SIZE, 1), (np.float32,)),  # one a token
+                        "rope": (rope, (layers, pages, PAGE_SIZE, c.qk_rope_head_dim), (np.float16, np.uint16))}
+            for name, (array, shape, types) in expected.items():  # the step writes and reads them in place
+                if array.shape != shape or array.dtype.type not in types or not array.flags.c_contiguous:
+                    raise K2Error(f"the cache's {name} pool is {array.dtype} {list(array.shape)}, the native step "
+                                  f"takes {list(shape)}; the artifact's kv_cache does not match its model")
+            self._pools = key, (Pages * layers)(*(Pages(_address(latent[i]), _address(scale[i]), _address(rope[i]))
+                                                  for i in range(layers)))
+        return self._pools[1]
+
+    def logits(self, hidden: np.ndarray, batch: int = STEP_BATCH) -> np.ndarray:
+        """hidden [..., m] -> logits [..., vocab] float32: the final norm and the head, `batch` rows a call (each
+        weight row read once for them)."""
+        rows = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.config.hidden_size)
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
+        for at in range(0, len(rows), batch):
+            part = np.ascontiguousarray(rows[at:at + batch])
+            self._room_for(len(part))
+            self.lib.k2_logits(ctypes.addressof(self.model), len(part), _address(part), _address(out[at:at + batch]),
+                               _address(self.scratch))
+        return out.reshape(*np.shape(hidden)[:-1], self.config.vocab_size)

@@ -1,0 +1,62 @@
+"""The whole model of a cpu-target artifact through the native step (runtime/backends/native_decode.py): the backend that
+`--decode auto` (where it measured no slower than the graphs, runtime/backends/decode_choice.py) and `--decode native` give.
+
+Every valid token of a forward, a prompt's or decode's one a row, is one entry of a batch of native steps,
+STEP_BATCH at a time, each with its row's pages: each layer stores every entry before its attention, which reads
+positions up to its own, so a prompt's tokens see each other causally. Each token's result is the one it gets
+alone, whatever else is in the batch and however a prompt is chunked (batch-invariant: a request's tokens and
+logprobs do not depend on the other requests of its steps). The layer graphs are not loaded: the process holds
+the weights once, in the native step's tiles.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import numpy as np
+
+from ...core.manifest import Manifest
+from ..cache.slots import CacheView, SlotView
+from .host_pages import HostCache, LatentPagesView
+from .interface import InProcess
+from .native_decode import STEP_BATCH, NativeDecoder
+
+
+class NativeModel(HostCache, InProcess):
+    """An artifact's embedding, decoder layers and head through one NativeDecoder (runtime/backends/interface.py's Model)."""
+
+    def __init__(self, manifest: Manifest, native: NativeDecoder, decode_kernels: str):
+        """decode_kernels: which kernels run it and why, as `generate`, `bench` and `serve` report it."""
+        self.manifest, self.native, self.decode_kernels = manifest, native, decode_kernels
+        self.config, self.kv_cache = manifest.config, manifest.kv_cache
+        self.threads = native.threads
+        self.num_layers = manifest.config.num_hidden_layers
+        self.stage_seconds: dict[str, float] = defaultdict(float)  # cumulative time per stage, for benchmarks
+        self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
+
+    def forward(self, token_ids: np.ndarray, positions: np.ndarray, valid: np.ndarray, view: SlotView) -> np.ndarray:
+        """token_ids, positions, valid [b, s] (rows right-padded) -> hidden [b, s, m]; the view's rows gain the
+        valid entries (each row holds exactly positions[i, 0] tokens; its pages are reserved for the new ones)."""
+        return self.run(token_ids, positions, valid, view.entries())
+
+    def run(self, inputs: np.ndarray, positions: np.ndarray, valid: np.ndarray, entries: CacheView) -> np.ndarray:
+        """As forward, through the entries' view (host pages). Masked tokens leave their pages alone (their hidden
+        rows are zeros)."""
+        if not isinstance(entries, LatentPagesView):
+            raise TypeError(f"the native step runs over a cache in host memory, not {type(entries).__name__}")
+        started = time.perf_counter()
+        rows, cols = np.nonzero(valid)
+        hidden = np.zeros((*inputs.shape, self.config.hidden_size), np.float32)
+        for at in range(0, len(rows), STEP_BATCH):
+            r, c = rows[at:at + STEP_BATCH], cols[at:at + STEP_BATCH]
+            hidden[r, c] = self.native.steps(inputs[r, c], positions[r, c], entries.page_table[r], entries.pages.arrays)
+        self.stage_seconds["native_step" if inputs.shape[1] == 1 else "native_prefill"] += time.perf_counter() - started
+        return hidden
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """hidden [b, s, m] -> logits [b, s, vocab] float32: the final norm and the head."""
+        started = time.perf_counter()
+        logits = self.native.logits(hidden)
+        self.stage_seconds["head"] += time.perf_counter() - started
+        return logits
