@@ -1,4 +1,4 @@
-"""The README's parity figures: each artifact against the float32 eager reference of the same synthetic checkpoint,
+"""The parity figures of docs/artifact.md: each artifact against the float32 eager reference of the same synthetic checkpoint,
 and a text's logits run two ways (score, one prefill, against a prefill then decode steps).
 
     . .venv/bin/activate && python benchmarks/parity_figures.py OUT [--presets tiny,small] [--json]

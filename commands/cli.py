@@ -350,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--weights", choices=["checkpoint", "int4"], default="checkpoint",
                         help="checkpoint: the routed experts as the checkpoint stores them (an INT4 checkpoint's own "
                              "4-bit codes are always kept); int4: an FP8 checkpoint's routed experts re-quantised to "
-                             "INT4 groups of 32 (about 0.6 bytes a weight instead of 1; lossy, see the README), for "
+                             "INT4 groups of 32 (about 0.6 bytes a weight instead of 1; lossy, see docs/artifact.md), for "
                              "hosts whose memory or bandwidth binds; not for tensorrt (default: checkpoint)")
     export.add_argument("--force", action="store_true", help="discard an existing artifact or unfinished export")
     export.add_argument("--json", action="store_true", help="print a summary as JSON")

@@ -58,7 +58,3 @@ def decode_step_bytes(config: ModelConfig, cache_bytes_per_token_per_layer: int,
     return {"embedding": embedding, "layers": layers, "head": held.head, "weights": weights, "cache": cache,
             "total": weights + cache, "experts_per_moe_layer": expected_experts(config, batch)}
 
-
-def resident_weight_bytes(config: ModelConfig) -> int:
-    """Every weight byte of the model in the checkpoint's formats (what the artifact's .data files hold)."""
-    return ModelBytes.of(config).total

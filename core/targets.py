@@ -5,7 +5,7 @@ own, one named pass in `export/passes.py`.
 
 - cpu:      ONNX Runtime's CPU provider. FP8 linears, the BF16 head and the routed experts are
             re-quantised to int8 blocks (`com.microsoft` MatMulNBits and QMoE, int8 compute):
-            about one byte per weight, read once per step. Lossy; its error is stated in the README.
+            about one byte per weight, read once per step. Lossy; its error is stated in docs/artifact.md.
 - cuda:     ONNX Runtime's CUDA provider. FP8 stays FP8 (the exact graph).
 - tensorrt: TensorRT engines (`k2deploy build-engines`). FP8 stays FP8; its TensorRT copy of each
             graph turns FP8 casts into Q/DQ and the plugin ops into plugins.

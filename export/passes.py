@@ -158,7 +158,7 @@ WEIGHT_CHOICES = ("checkpoint", "int4")  # export --weights: the experts as stor
 class Int4Experts(Pass):
     """An FP8 checkpoint's routed experts re-quantised to INT4 in groups of INT4_GROUP (core/int4.py `quantize`:
     symmetric, BF16 scales, as Kimi-K2-Thinking stores them), gate and up interleaved for QMoE, for hosts whose
-    memory or bandwidth binds. Lossy; its error is measured in benchmarks/int4_experts.py and stated in the README.
+    memory or bandwidth binds. Lossy; its error is measured in benchmarks/int4_experts.py and stated in docs/artifact.md.
     An INT4 checkpoint's own codes are copied, never re-quantised (export/graph_modules.py)."""
 
     name = "int4_experts"

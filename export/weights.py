@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ..core.checkpoint.reader import Checkpoint
-from .model import Block, MoE, Transformer, reference_faces
+from .model import Block, MoE, Transformer
 
 STACKED_EXPERTS = {"experts_gate_proj": "gate_proj", "experts_up_proj": "up_proj", "experts_down_proj": "down_proj"}
 
@@ -26,10 +26,6 @@ def fill_block(block: Block, checkpoint: Checkpoint, layer: int) -> Block:
             else:
                 param.copy_(_tensor(checkpoint, prefix + name))
     return block
-
-
-def load_block(checkpoint: Checkpoint, layer: int, absorb: bool = False) -> Block:
-    return fill_block(Block(checkpoint.config, layer, reference_faces(absorb)), checkpoint, layer).eval()
 
 
 def load_transformer(checkpoint: Checkpoint, absorb: bool = False) -> Transformer:

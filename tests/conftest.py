@@ -89,3 +89,14 @@ def tiny_int4_cpu_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("artifacts") / "cpu-int4"
     export_artifact(ExportOptions(str(checkpoint), target="cpu"), out)
     return out
+
+
+def pytest_collection_modifyitems(items):
+    """The tiers (pyproject.toml's markers): `server` for a test whose module starts `k2deploy serve` (it uses
+    tests/serving.py's Server), `ray` for one that takes the Ray cluster fixture."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and getattr(module, "Server", None) is not None:
+            item.add_marker(pytest.mark.server)
+        if "ray_address" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)

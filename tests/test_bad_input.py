@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.checkpoint.presets import preset_config
 from k2deploy.core.config import ModelConfig
 from k2deploy.core.errors import K2Error

@@ -17,6 +17,8 @@ from k2deploy.bench.run import BenchOptions, run_bench
 from k2deploy.bench.schema import SCHEMA_VERSION, validate
 from k2deploy.core.errors import K2Error
 
+pytestmark = pytest.mark.slow  # bench runs with their baselines
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("matplotlib")
 
@@ -195,7 +197,7 @@ def test_bench_side_imports_no_torch():
 
 
 def test_saved_samples_match_the_schema():
-    """The results shown in the README (bench/samples/) are documents of the current schema version."""
+    """The results shown in docs/performance.md (bench/samples/) are documents of the current schema version."""
     from pathlib import Path
 
     import k2deploy.bench
@@ -207,7 +209,7 @@ def test_saved_samples_match_the_schema():
 
 
 def test_registered_in_the_main_command_line():
-    from cli import run_cli
+    from cli_runner import run_cli
 
     result = run_cli("bench", "--help")
     if result.returncode != 0 and "invalid choice" in result.stderr:

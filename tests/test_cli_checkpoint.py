@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.checkpoint.presets import preset_config
 from k2deploy.core.sizes import count_parameters
 

@@ -13,12 +13,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("tokenizers")
 
-from cli import run_cli  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
 
 from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
 from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.core.errors import K2Error  # noqa: E402
 from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a tokenizer trained and a checkpoint exported
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where do the gulls go?"},
         {"role": "assistant", "content": "", "tool_calls": [

@@ -6,7 +6,7 @@ import os
 import onnx
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import MANIFEST_FILE, load_manifest
 
@@ -14,6 +14,8 @@ pytest.importorskip("torch")
 
 from k2deploy.export import exporter  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
+
+pytestmark = pytest.mark.slow  # exports of every target, resumed and interrupted
 
 
 def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):

@@ -5,8 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.manifest import MANIFEST_FILE
+
+pytestmark = pytest.mark.slow  # an export per supported opset
 
 pytest.importorskip("torch")
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.checkpoint import layout
 from k2deploy.core.checkpoint.presets import preset_config
 from k2deploy.core.sizes import count_parameters

@@ -26,7 +26,9 @@ from k2deploy.runtime.backends.decode_choice import load_model
 from k2deploy.runtime.engine.generator import Generator
 from k2deploy.runtime.backends.ort_backend import OrtModel
 
-from cli import run_cli
+from cli_runner import run_cli
+
+pytestmark = pytest.mark.slow  # INT4 exports and their eager references
 
 PROMPT = list(range(5, 69))
 EXPERT = "model.layers.1.mlp.experts.{}.{}"

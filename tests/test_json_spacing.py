@@ -103,10 +103,11 @@ def test_a_json_answer_after_the_reasoning_keeps_both(served):
 
 
 @pytest.mark.parametrize("padded", ['{"city":' + " " * 40 + '"Paris"}', '{' + "\n" * 3 + '"city": "Paris"}',
-                                    '{"city": "Paris"' + " \n" * 30 + "}"])
+                                    '{"city": "Paris"' + " \n" * 30 + "}", '{"city":  "Paris"}',
+                                    '{\n' + " " * 33 + '"city": "Paris"}'])
 def test_padding_past_what_json_dumps_writes_is_masked(served, padded):
-    """A weak model cannot pad an answer: between two JSON tokens at most 4 blanks, then one line break and 64
-    blanks of indentation."""
+    """A weak model cannot pad an answer: between two JSON tokens at most one space, then one line break and 32
+    spaces or 16 tabs of indentation."""
     _, tokenizer, _ = served
     grammars = Grammars(tokenizer, 1024)
     constraint = grammars.constraint(json_grammar(SCHEMA))

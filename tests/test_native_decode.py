@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from child_env import child_env
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.backends import decode_choice, native_build

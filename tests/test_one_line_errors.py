@@ -1,4 +1,4 @@
-"""What goes wrong around a command is one line on stderr, exit code 2, and no traceback, as the README says."""
+"""What goes wrong around a command is one line on stderr, exit code 2, and no traceback, as docs/cli.md says."""
 
 import errno
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.commands.command import run_command
 from k2deploy.commands.output_paths import write_output_file
 from k2deploy.core.errors import K2Error

@@ -275,6 +275,7 @@ def test_the_server_reports_cached_prompt_tokens_and_refuses_a_prompt_over_the_p
         server.stop()
 
 
+@pytest.mark.slow
 def test_on_small_a_reused_prefix_gives_the_logits_and_greedy_tokens_its_prefill_does(tmp_path_factory):
     """Kimi K2's attention dimensions (the `small` preset: kv_lora 512, rope 64, 8 heads): after a reused prefix
     of five pages the exact graph over the bf16 cache gives the logits of the same prompt prefilled fresh in one

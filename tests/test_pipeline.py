@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
@@ -26,6 +26,8 @@ from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.stages.stage_messages import pack, unpack
 from k2deploy.runtime.backends.thread_pool import core_cpus, share_cpus
 from k2deploy.runtime.loading import load_backend
+
+pytestmark = pytest.mark.slow  # stages on Ray actors and in processes
 
 ray = pytest.importorskip("ray")
 

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
+
+pytestmark = pytest.mark.slow  # the whole quickstart
 
 pytest.importorskip("torch")
 

@@ -14,11 +14,13 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("torch")
 
-from cli import run_cli  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
 from serving import MODEL, Server, with_markers_flagged  # noqa: E402
 
 from k2deploy.core.tokenizer import TOOL_MARKERS, KimiTokenizer, write_tokenizer  # noqa: E402
+
+pytestmark = pytest.mark.slow  # a server per case of the markers
 
 
 def _split(pieces: list[str], thinking: bool = False) -> tuple[str, str]:

@@ -3,7 +3,7 @@
 import json
 
 from child_env import blocked, child_env
-from cli import run_cli
+from cli_runner import run_cli
 
 
 def _env_without_torch(tmp_path):
@@ -11,6 +11,7 @@ def _env_without_torch(tmp_path):
     return child_env(blocked(tmp_path, "torch", "onnx", "onnxscript"))
 
 
+@pytest.mark.slow
 def test_generate_score_and_inspect_import_no_torch(tiny_artifacts, tmp_path):
     env = _env_without_torch(tmp_path)
     art = tiny_artifacts["fp8"]

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.runtime.text.chat_tools import MAX_TOOLS, check_tools
 from k2deploy.runtime.text.schema_limits import LIMITS, SchemaTooLarge, check_schema

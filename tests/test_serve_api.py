@@ -429,13 +429,15 @@ def _many(calls, count=50):
         return list(pool.map(calls, range(count)))
 
 
+@pytest.mark.slow
 def test_json_schema_answers_validate_at_temperature_1(server):
-    """A random-weight model sampled at temperature 1: every answer is JSON that follows the schema."""
+    """A random-weight model sampled at temperature 1: every answer is JSON that follows the schema (its whitespace
+    bounded between two JSON tokens, runtime/text/constrained.py WHITESPACE: 400 tokens are room enough)."""
     jsonschema = pytest.importorskip("jsonschema")
     client = server.client()
     answers = _many(lambda seed: client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": f"Weather, please ({seed})"}], temperature=1, seed=seed,
-        max_tokens=200, response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
+        max_tokens=400, response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER,
                                                                                  "strict": True}}).choices[0])
     for answer in answers:
         assert answer.finish_reason == "stop", answer
@@ -447,6 +449,7 @@ def test_json_schema_answers_validate_at_temperature_1(server):
     assert finished and all(isinstance(json.loads(o.message.content), dict) for o in finished)
 
 
+@pytest.mark.slow
 def test_tool_calls_at_temperature_1_name_declared_tools_with_valid_arguments(server):
     jsonschema = pytest.importorskip("jsonschema")
     client, schemas = server.client(), {t["function"]["name"]: t["function"]["parameters"] for t in TWO_TOOLS}

@@ -159,6 +159,7 @@ def _closed_by_the_server(connection: socket.socket) -> bool:
         return True
 
 
+@pytest.mark.slow
 def test_half_open_connections_neither_stall_the_server_nor_stay(tiny_artifacts, tmp_path):
     """200 clients that never finish their headers: a whole request is still answered at once, one connection past
     --max-connections gets a 503, and the server closes the 200 after --header-timeout."""

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from child_env import STAND_IN, blocked, child_env
 
+pytestmark = pytest.mark.slow  # TensorRT-target exports and engine builds against the stand-in
+
 pytest.importorskip("onnx")
 pytest.importorskip("triton")  # build-engines wants triton for the ahead-of-time kernels
 

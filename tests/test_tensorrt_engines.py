@@ -279,7 +279,7 @@ def _read_pages(cuda, device, name, like):
 @pytest.mark.skipif(tensorrt_available(), reason="TensorRT is installed here")
 @pytest.mark.parametrize("command", ["serve", "generate", "score", "bench"])
 def test_without_tensorrt_each_runtime_command_says_what_to_install(tiny_artifacts, command):
-    from cli import run_cli
+    from cli_runner import run_cli
 
     extra = {"generate": ["--prompt", "hi"], "score": ["--prompt-ids", "1,2", "--out", "unused.npy"]}.get(command, [])
     done = run_cli(command, tiny_artifacts["fp8"], "--backend", "tensorrt", *extra)

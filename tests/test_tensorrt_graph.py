@@ -18,6 +18,8 @@ from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
 from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
 
+pytestmark = pytest.mark.slow  # TensorRT-target exports
+
 # What the exported graphs need rewritten for the parser, per graph kind (layer_000 dense, layer_001 MoE).
 EXPECTED_REWRITES = {
     "embed": {"plugin function bodies dropped": 0},  # a graph carries only the bodies of ops it uses

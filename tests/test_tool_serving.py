@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
 pytest.importorskip("torch")
 
-from cli import run_cli  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
 from serving import MODEL, Server, with_markers_flagged  # noqa: E402
 

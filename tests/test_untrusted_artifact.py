@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from cli import run_cli
+from cli_runner import run_cli
 import onnx
 from onnx.external_data_helper import _get_all_tensors
 

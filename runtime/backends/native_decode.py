@@ -1,7 +1,7 @@
 """The native step: each sequence's next token, or a prompt's tokens, through runtime/backends/native/decode_step.c.
 
 A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
-and around them than in them, and does not split them over threads well (README "Threads"). The native step runs
+and around them than in them, and does not split them over threads well (docs/performance.md "Threads"). The native step runs
 the same maths over the artifact's own weights (its .data files' codes and scales, nothing re-quantised, each
 matrix's rows laid out in tiles, `tiled`), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
 the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each

@@ -194,10 +194,6 @@ class Cache:
             while len(table) * self.page_size < length:
                 table.append(self.pool.take())
 
-    def pages_needed(self, slots: Sequence[int], lengths: Sequence[int]) -> int:
-        """New pages `reserve(slots, lengths)` would take."""
-        return sum(max(0, pages_for(n, self.page_size) - len(self.tables[s])) for s, n in zip(slots, lengths))
-
     def record(self, slot: int, tokens: list[int]) -> None:
         """The slot's next entries hold `tokens`; the pages they fill are published by their prefix hash."""
         held = self.tokens[slot]
