@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from child_env import blocked, child_env
 from cli_runner import run_cli
 
