@@ -151,7 +151,7 @@ class _Ours:
             loop.submit(GenerationRequest(prompt, params, (), None, lambda update: None, row=row))
         reset_peak_rss()
         started = time.perf_counter()
-        running = loop.running()
+        running = loop.admit()
         while any(r.prefilling and r.slot is not None for r in running):  # a failed request leaves its slot
             loop.prefill(running)
         ttft = time.perf_counter() - started

@@ -1,6 +1,6 @@
-"""Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones
-(a request is admitted when a slot is free and the cache has pages for its prompt; a preempted one waits
-first in line).
+"""Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones (a
+request is admitted when a slot is free and the cache has pages for its prompt; a preempted one waits first in
+line), which prompt chunks run together and how long they are, and whom to preempt when pages run out.
 
 The HTTP side submits and cancels from the event loop; the engine thread admits, and lets
 requests leave, at step boundaries. One lock guards the queue and the slot table.
@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable
 
+from ...core.sizes import MIN_PREFILL_CHUNK, prefill_chunk
+from ..cache.slots import Cache, pages_for
 from .requests import GenerationRequest
 
 
@@ -20,8 +21,11 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int):
+    def __init__(self, slots: int, max_queue: int, cache: Cache | None = None, heads: int = 1):
+        """cache: the pool the slots' pages come from (None: admission does not check pages); heads: the model's
+        attention heads (prefill chunks are sized to keep their scores within budget)."""
         self.max_queue = max_queue
+        self.cache, self.heads = cache, heads
         self.slots: list[GenerationRequest | None] = [None] * slots  # slot -> the request holding it
         self.waiting: deque[GenerationRequest] = deque()
         self.lock = threading.Condition()
@@ -39,9 +43,7 @@ class Scheduler:
         with self.lock:
             return self.lock.wait_for(lambda: self.waiting or any(self.slots), timeout)
 
-    def admit(self, fits: Callable[[GenerationRequest], bool] = lambda request: True,
-              leader: Callable[[GenerationRequest], GenerationRequest | None] = lambda request: None
-              ) -> list[GenerationRequest]:
+    def admit(self) -> list[GenerationRequest]:
         """Moves waiting requests, first come first served, into free slots (lowest first) while the next one
         `fits` (the cache has the pages for it); drops cancelled ones. A request that waits for another's prefill
         (its `after`: another choice of its prompt, or the `leader` still prefilling its prompt's first page)
@@ -53,11 +55,11 @@ class Scheduler:
             while pending and free:
                 request = pending[0]
                 if request.after is None:
-                    request.after = leader(request)
+                    request.after = self.leader(request)
                 if not request.ready:
                     skipped.append(pending.popleft())
                     continue
-                if not fits(request):
+                if not self.fits(request):
                     break
                 pending.popleft()
                 request.slot = free.pop(0)
@@ -66,6 +68,36 @@ class Scheduler:
             skipped.extend(pending)
             self.waiting = skipped
             return admitted
+
+    def fits(self, request: GenerationRequest) -> bool:
+        """Whether the pool has pages for a waiting request's prompt (cached prefixes not counted)."""
+        cache = self.cache
+        return cache is None or pages_for(len(request.feed_ids) + 1, cache.page_size) <= cache.pool.available
+
+    def leader(self, request: GenerationRequest) -> GenerationRequest | None:
+        """A running request still prefilling the first full page of `request`'s prompt: `request` waits for it
+        and then finds the pages of their shared prefix in the cache, instead of computing them again (None
+        where there is none, or no prefix reuse)."""
+        cache = self.cache
+        if cache is None or not cache.pool.prefix_cache or len(request.feed_ids) <= cache.page_size:
+            return None
+        head = request.feed_ids[:cache.page_size]
+        return next((r for r in self.running() if r.prefilling and r.feed_ids[:cache.page_size] == head), None)
+
+    def prefill_rows(self, requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], int]:
+        """The prefilling requests that run this step, oldest first, and their chunk size: PREFILL_CHUNK, less where
+        the attention scores would pass their budget (core/sizes.py prefill_chunk); newer requests wait a step
+        rather than shrink the chunk below MIN_PREFILL_CHUNK."""
+        requests = sorted(requests, key=lambda r: r.admission)
+        while True:
+            size = prefill_chunk(len(requests), self.heads, max(r.cached for r in requests))
+            if size >= MIN_PREFILL_CHUNK or len(requests) == 1:
+                return requests, size
+            requests = requests[:-1]
+
+    def victim(self) -> GenerationRequest:
+        """The running request to preempt when the pool runs out of pages: the newest admitted."""
+        return max(self.running(), key=lambda r: r.admission)
 
     def requeue(self, request: GenerationRequest) -> None:
         """A running request gives its slot back and waits first in line (preempted: the cache ran out of pages)."""

@@ -25,10 +25,8 @@ import time
 import numpy as np
 
 from ...core.errors import K2Error
-from ...core.sizes import MIN_PREFILL_CHUNK, prefill_chunk
 from ..backends.interface import Model
 from ..cache.page_pool import PoolFull
-from ..cache.slots import pages_for
 from .batch_forward import BatchForward
 from .counters import StepCounters
 from .requests import GenerationRequest, TokenLogprob, Update
@@ -51,9 +49,8 @@ class StepLoop:
         self.context = context
         self.cache = model.new_cache(slots, context, pages, prefix_cache)
         self.forwards = BatchForward(model, self.cache)
-        self.scheduler = Scheduler(slots, max_queue)
+        self.scheduler = Scheduler(slots, max_queue, self.cache, model.config.num_attention_heads)
         self.metrics = metrics
-        self.heads = model.config.num_attention_heads
         self.admissions = 0  # requests admitted so far: the newest running one is preempted first
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
         self.sampling_seconds = 0.0  # cumulative time spent choosing tokens, for benchmarks
@@ -78,13 +75,13 @@ class StepLoop:
     def step(self) -> None:
         """Admits, runs the next prompt chunk of every request still prefilling, then one token for every request
         whose prompt is in (a prompt that has just come in included)."""
-        running = self.running()
+        running = self.admit()
         self.prefill(running)
         self.decode(running)
 
-    def running(self) -> list[GenerationRequest]:
+    def admit(self) -> list[GenerationRequest]:
         """Admits waiting requests into free slots and lets cancelled ones leave -> the requests that run."""
-        for request in self.scheduler.admit(self._fits, self._prefix_leader):  # into slots their last request left
+        for request in self.scheduler.admit():  # into slots their last request left
             try:
                 self._admit(request)
             except Exception as exc:  # fails this request alone
@@ -131,22 +128,8 @@ class StepLoop:
         for request in self.scheduler.running():
             self._fail(request, exc)
 
-    def _prefix_leader(self, request: GenerationRequest) -> GenerationRequest | None:
-        """A running request still prefilling the first full page of `request`'s prompt: `request` waits for it
-        and then finds the pages of their shared prefix in the cache, instead of computing them again (None
-        where there is none, or no prefix reuse)."""
-        page = self.cache.page_size
-        if not self.cache.pool.prefix_cache or len(request.feed_ids) <= page:
-            return None
-        head = request.feed_ids[:page]
-        return next((r for r in self.scheduler.running() if r.prefilling and r.feed_ids[:page] == head), None)
-
-    def _fits(self, request: GenerationRequest) -> bool:
-        """Whether the pool has pages for a waiting request's prompt (cached prefixes not counted)."""
-        return pages_for(len(request.feed_ids) + 1, self.cache.page_size) <= self.cache.pool.available
-
     def _prefill(self, requests: list[GenerationRequest]) -> None:
-        requests, size = self._prefill_rows(requests)
+        requests, size = self.scheduler.prefill_rows(requests)
         requests = self._make_room(requests, [r.cached + len(r.next_chunk(size)) for r in requests])
         if not requests:
             return
@@ -160,18 +143,6 @@ class StepLoop:
             self.metrics.prompt_tokens.inc(sum(map(len, chunks)))
         complete = [row for row, r in enumerate(requests) if not r.prefilling]
         self._emit([requests[row] for row in complete], logits[complete])
-
-    def _prefill_rows(self, requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], int]:
-        """The prefilling requests that run this step, oldest first, and their chunk size: PREFILL_CHUNK, less where
-        the attention scores would pass their budget (core/sizes.py prefill_chunk); newer requests wait a step
-        rather than shrink the chunk below MIN_PREFILL_CHUNK."""
-        requests = sorted(requests, key=lambda r: r.admission)
-        while True:
-            past = max(r.cached for r in requests)
-            size = prefill_chunk(len(requests), self.heads, past)
-            if size >= MIN_PREFILL_CHUNK or len(requests) == 1:
-                return requests, size
-            requests = requests[:-1]
 
     def _decode(self, requests: list[GenerationRequest]) -> None:
         requests = self._make_room(requests, [int(self.cache.lengths[r.slot]) + 1 for r in requests])
@@ -193,11 +164,10 @@ class StepLoop:
                     self.cache.reserve([request.slot], [length])
                     break
                 except PoolFull:
-                    running = self.scheduler.running()
-                    if running == [request]:
+                    if self.scheduler.running() == [request]:
                         self._end(request, "length")
                     else:
-                        self._preempt(max(running, key=lambda r: r.admission))
+                        self._preempt(self.scheduler.victim())
         return [r for r in requests if r.slot is not None]
 
     def _preempt(self, request: GenerationRequest) -> None:
