@@ -62,6 +62,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pattern", action="append", default=[], help="another whitespace rule to measure")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.answers < 1:
+        parser.error("--answers: at least 1")
     if not (args.artifact / "manifest.json").is_file():
         parser.error(f"{args.artifact}: not an artifact directory (no manifest.json)")
     vocab = load_manifest(args.artifact, verify_hashes=False).config.vocab_size

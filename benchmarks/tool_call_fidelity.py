@@ -171,8 +171,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not (args.artifact / "manifest.json").is_file():
         parser.error(f"{args.artifact}: not an artifact directory (no manifest.json)")
-    recorded = json.loads(args.requests.read_text())
-    requests, tools = recorded["requests"], recorded["tools"]
+    try:
+        recorded = json.loads(args.requests.read_text())
+        requests, tools = recorded["requests"], recorded["tools"]
+        for record in requests:
+            missing = [name for name in record["tools"] if name not in tools]
+            if missing or not isinstance(record["messages"], list) or "intended" not in record:
+                raise ValueError(f"request {record.get('name')!r} names undeclared tools {missing} or lacks "
+                                 f"messages or intended")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        parser.error(f"{args.requests}: not a recorded request set like {REQUESTS.name} ({exc})")
     manifest = load_manifest(args.artifact)
     tokenizer = load_tokenizer(args.artifact / "tokenizer", manifest.config.vocab_size)
     if tokenizer is None:

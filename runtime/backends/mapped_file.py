@@ -27,7 +27,7 @@ class MappedFile:
         size = os.fstat(self.fd).st_size
         self.memory = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
         self.bytes = np.frombuffer(self.memory, np.uint8) if size else np.zeros(0, np.uint8)
-        self.path, self.expected, self.drop = path, sha256, drop
+        self.drop = drop
         self.hashed_to, self.digest = (0, None) if sha256 else (size, sha256)
         self._thread = threading.Thread(target=self._hash, daemon=True) if sha256 else None
         if self._thread:
