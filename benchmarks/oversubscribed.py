@@ -9,13 +9,15 @@ side by side, a busy process beside it. The native step's pool spins only while 
 /tmp/k2deploy-bench, made first if missing). Each case runs `generate`-like processes (benchmarks/thread_pools.py's
 child: a prompt, then greedy tokens back to back, decode through the native step) in interleaved rounds:
 
-    alone, T threads       one process with --threads 1, 2 and the host's cores x 2
-    two side by side       two processes with the host's cores each, started together
+    alone                  one process with --threads 1, the host's cores, and the host's cores x 2
+    two side by side       two processes started together, with one thread each (the floor: nothing shared but
+                           the memory system) and with the host's cores each (their pools share the cores by
+                           leases, runtime/backends/core_leases.py)
     beside a busy process  one process with the host's cores, a process spinning on one core beside it
 
-The table gives the median over rounds of each process's time per output token, and its ratio to the best
-"alone" row: a pool that starves (threads spinning for a core another thread needs) shows as a ratio of 10-100,
-one that degrades gracefully as about the share of the cores it lost (two side by side: each gets half).
+The table gives the median over rounds of each process's time per output token, its ratio to the best "alone" row,
+and, for two side by side, to the floor: a pool that starves (threads spinning for a core another thread needs)
+shows as a ratio of 10-100, one that degrades gracefully as about the share of the cores it lost.
 """
 
 from __future__ import annotations
@@ -46,16 +48,16 @@ def _tpot(process: subprocess.Popen) -> float:
     return json.loads(out.strip().splitlines()[-1])["tpot_ms"]
 
 
-def run_case(case: str, artifact: Path, cores: int, prompt_len: int, new_tokens: int) -> list[float]:
+def run_case(case: str, threads: int, artifact: Path, prompt_len: int, new_tokens: int) -> list[float]:
     """One round of a case -> each measured process's time per output token."""
-    if case.startswith("alone"):
-        return [_tpot(_child(artifact, int(case.split()[1]), prompt_len, new_tokens))]
+    if case == "alone":
+        return [_tpot(_child(artifact, threads, prompt_len, new_tokens))]
     if case == "two side by side":
-        pair = [_child(artifact, cores, prompt_len, new_tokens) for _ in range(2)]
+        pair = [_child(artifact, threads, prompt_len, new_tokens) for _ in range(2)]
         return [_tpot(p) for p in pair]
     spinner = subprocess.Popen([sys.executable, "-c", SPIN])
     try:
-        return [_tpot(_child(artifact, cores, prompt_len, new_tokens))]
+        return [_tpot(_child(artifact, threads, prompt_len, new_tokens))]
     finally:
         spinner.kill()
         spinner.wait()
@@ -73,24 +75,28 @@ def main(argv=None) -> int:
         parser.error("--rounds and --prompt-len: at least 1; --new-tokens: at least 2")
     artifact = ensure_artifact(args.artifact)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cases = [f"alone {t}" for t in sorted({1, cores, 2 * cores})] + ["two side by side", "beside a busy process"]
-    runs: dict[str, list[float]] = {case: [] for case in cases}
+    cases = [("alone", t) for t in sorted({1, cores, 2 * cores})]
+    cases += [("two side by side", 1), ("two side by side", cores), ("beside a busy process", cores)]
+    runs: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
     for round_ in range(args.rounds):
-        for case in cases:
-            runs[case] += run_case(case, artifact, cores, args.prompt_len, args.new_tokens)
+        for case, threads in cases:
+            runs[case, threads] += run_case(case, threads, artifact, args.prompt_len, args.new_tokens)
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     tpot = {case: statistics.median(values) for case, values in runs.items()}
-    best = min(tpot[case] for case in cases if case.startswith("alone"))
-    rows = [{"case": case, "threads": int(case.split()[1]) if case.startswith("alone") else cores,
-             "tpot_ms": tpot[case], "x_best_alone": tpot[case] / best} for case in cases]
+    best = min(tpot[case] for case in cases if case[0] == "alone")
+    floor = tpot["two side by side", 1]
+    rows = [{"case": case, "threads": threads, "tpot_ms": tpot[case, threads], "x_best_alone": tpot[case, threads] / best,
+             "x_floor": tpot[case, threads] / floor if case == "two side by side" else None} for case, threads in cases]
     if args.json:
         print(json.dumps({"artifact": str(artifact), "cores": cores, "rounds": args.rounds, "rows": rows}, indent=2))
         return 0
     print(f"{artifact.name}: decode through the native step on {cores} core(s), prompt {args.prompt_len}, "
           f"{args.new_tokens} tokens, median of {args.rounds} rounds")
-    print(f"{'case':<24} {'threads':>7} {'TPOT ms':>8} {'x best alone':>13}")
+    print(f"{'case':<24} {'threads':>7} {'TPOT ms':>8} {'x best alone':>13} {'x floor':>8}")
     for row in rows:
-        print(f"{row['case']:<24} {row['threads']:>7} {row['tpot_ms']:>8.2f} {row['x_best_alone']:>12.2f}x")
+        floor_ratio = "" if row["x_floor"] is None else f"{row['x_floor']:.2f}x"
+        print(f"{row['case']:<24} {row['threads']:>7} {row['tpot_ms']:>8.2f} {row['x_best_alone']:>12.2f}x "
+              f"{floor_ratio:>8}")
     return 0
 
 

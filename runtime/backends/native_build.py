@@ -180,7 +180,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
         except OSError as exc:
             raise NativeUnavailable(f"the native build does not load ({exc})") from None
         pointer, number = ctypes.c_void_p, ctypes.c_int
-        signatures = {"k2_pool_start": ([number, pointer], number), "k2_scratch_floats": ([pointer, number, number], ctypes.c_long),
+        signatures = {"k2_pool_start": ([number, pointer, pointer], number),
+                      "k2_pool_leases": ([pointer], number), "k2_scratch_floats": ([pointer, number, number], ctypes.c_long),
                       "k2_decode_step": ([pointer, number, pointer, pointer, pointer, number, pointer, pointer, pointer], number),
                       "k2_decode_layers": ([pointer, number, number, number, pointer, pointer, number, pointer, pointer,
                                             pointer], number),

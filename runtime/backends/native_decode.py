@@ -46,6 +46,7 @@ from ...core.manifest import Manifest
 from ...core.onnx_wire import external_initializers
 from .mapped_file import MappedFile
 from .native_build import NativeUnavailable, contract, library
+from .core_leases import core_leases
 from .thread_pool import core_cpus
 
 
@@ -265,7 +266,9 @@ class NativeDecoder:
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
-        self.threads = self.lib.k2_pool_start(self.threads_asked, _address(self.cpus(self.threads_asked)))  # last: nothing left to refuse
+        cpus = self.cpus(self.threads_asked)
+        leases = np.array(core_leases(cpus.tolist()), np.int32)  # the host's processes share its cores by them
+        self.threads = self.lib.k2_pool_start(self.threads_asked, _address(cpus), _address(leases))  # last: nothing left to refuse
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
 
     def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:

@@ -11,11 +11,13 @@
  *
  * Every product's rows, and the attention's heads or positions (phase by phase), are split over a pool of threads
  * that spin between the phases of a step while each has a core to itself, yield while they wait, sleep after a while
- * idle, and keep each to its own core (k2_pool_start). With more threads than the process's CPUs, or once a phase
+ * idle, and keep each to its own core (k2_pool_start). Processes of this project on one host share its cores by
+ * leases (a lock file a core, held while a process decodes): a step runs on the cores its process holds, so two
+ * processes side by side settle on disjoint cores. With more threads than the process's CPUs, or once a phase
  * found a worker without a core (another process took it), nobody spins: waits sleep until woken, and a step's
- * time degrades with its share of the cores, not with the scheduler's time slice. A weight row is read once for the whole batch (each routed expert once for the sequences
- * that chose it) and multiplied by each sequence's input; a sequence's result does not depend on the batch or on
- * the number of threads. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
+ * time degrades with its share of the cores, not with the scheduler's time slice. A weight row is read once for the
+ * whole batch (each routed expert once for the sequences that chose it) and multiplied by each sequence's input; a
+ * sequence's result does not depend on the batch or on the number of threads. Shapes: m hidden, h heads, d nope dim, r rope dim, v value dim, c latent, t positions,
  * e experts.
  */
 #define _GNU_SOURCE
@@ -27,6 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <time.h>
 #include "isa.h"
 
@@ -42,6 +45,7 @@
 #define STARVED_SECONDS 1e-3 /* the caller waiting this much longer than its own share took: a worker had no core */
 #define QUIET_SECONDS 0.01  /* and then nobody spins for this long, doubled for each starved wait that follows */
 #define QUIET_DOUBLINGS 7   /* within the last quiet time or soon after (at most 1.28 s) */
+#define LEASE_IDLE_SECONDS 0.05  /* a process that ran no step for this long gives its cores' leases back */
 
 /* ---- the model, as runtime/backends/native_decode.py lays it out ------------------------------------------------ */
 
@@ -90,8 +94,14 @@ typedef void (*Task)(void *arg, int tid, int threads);
 
 static struct {
     int threads;
-    int active;             /* the threads of the current step (begin_step): all, or 1 while quiet */
-    int cpus[MAX_THREADS];  /* thread t's CPU; -1: not pinned */
+    int active;             /* the threads of the current step (begin_step): one a leased core, or 1 while quiet */
+    int cpus[MAX_THREADS];  /* thread t's CPU as the pool started; -1: not pinned */
+    int leases[MAX_THREADS];  /* the lock file of cpus[t]'s core, or -1: the core is not shared by leases */
+    int held[MAX_THREADS];    /* whether this process holds leases[t] (under lock) */
+    int place[MAX_THREADS];   /* thread t's CPU in the current step (the held cores in order); -1: not pinned */
+    int pinned[MAX_THREADS];  /* the CPU thread t is pinned to now, its own */
+    atomic_int in_step;
+    _Atomic double step_ended;
     pthread_t ids[MAX_THREADS];
     atomic_int generation, done, sleeping, stop, caller_sleeps;
     int streak;             /* starved waits in a row (each within a quiet time of the last), the caller's own */
@@ -111,10 +121,45 @@ static void pin(int cpu) {  /* the calling thread onto one CPU */
 
 static int may_spin(double at) { return at >= atomic_load(&pool.quiet_until); }
 
+/* ---- the cores' leases (under pool.lock) ---- */
+
+static int take_lease(int t) {
+    if (!pool.held[t] && pool.leases[t] >= 0 && flock(pool.leases[t], LOCK_EX | LOCK_NB) == 0) pool.held[t] = 1;
+    return pool.held[t];
+}
+
+static void give_back_leases(int keep) {  /* every lease but thread keep's (-1: all) */
+    for (int t = 0; t < pool.threads; t++)
+        if (pool.held[t] && t != keep) { flock(pool.leases[t], LOCK_UN); pool.held[t] = 0; }
+}
+
+/* worker 1's sleep, under pool.lock, while the process holds leases -> 1 after a timed wait (the caller looks
+   again), 0 where it holds none (the caller waits until woken). Where no step runs and none ran for
+   LEASE_IDLE_SECONDS, the leases go back: another process may decode on those cores. */
+static int idle_wait(void) {
+    int any = 0;
+    for (int t = 0; t < pool.threads; t++) any |= pool.held[t];
+    if (!any) return 0;
+    double at = now(), until = atomic_load(&pool.step_ended) + LEASE_IDLE_SECONDS;
+    if (at >= until && !atomic_load(&pool.in_step)) {
+        give_back_leases(-1);
+        return 0;
+    }
+    double wait = at < until ? until - at : LEASE_IDLE_SECONDS;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);  /* the condition's clock */
+    long nanos = deadline.tv_nsec + (long)(wait * 1e9);
+    deadline.tv_sec += nanos / 1000000000L;
+    deadline.tv_nsec = nanos % 1000000000L;
+    pthread_cond_timedwait(&pool.wake, &pool.lock, &deadline);
+    return 1;
+}
+
 static void *worker(void *arg) {
     int tid = (int)(intptr_t)arg, seen = 0;  /* the generation at the pool's start: read here instead, a phase
                                                 started before this thread first ran would be missed */
     if (pool.cpus[tid] >= 0) pin(pool.cpus[tid]);
+    pool.pinned[tid] = pool.cpus[tid];
     char name[16];
     snprintf(name, sizeof name, "k2-decode-%d", tid);
     pthread_setname_np(pthread_self(), name);  /* as top -H and /proc/PID/task/TID/comm show it */
@@ -127,7 +172,8 @@ static void *worker(void *arg) {
                 if (tid >= pool.active || !may_spin(at) || at - idle_since > SPIN_SECONDS) {
                     pthread_mutex_lock(&pool.lock);
                     atomic_fetch_add(&pool.sleeping, 1);
-                    while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                    while (atomic_load(&pool.generation) == seen)
+                        if (tid != 1 || !idle_wait()) pthread_cond_wait(&pool.wake, &pool.lock);  /* worker 1 keeps the leases' time */
                     atomic_fetch_sub(&pool.sleeping, 1);
                     pthread_mutex_unlock(&pool.lock);
                 }
@@ -137,6 +183,10 @@ static void *worker(void *arg) {
         seen = atomic_load(&pool.generation);
         if (atomic_load(&pool.stop)) return NULL;
         if (tid >= pool.active) continue;  /* not in this step (set before the generation moved) */
+        if (pool.place[tid] != pool.pinned[tid] && pool.place[tid] >= 0) {  /* the step's cores changed */
+            pin(pool.place[tid]);
+            pool.pinned[tid] = pool.place[tid];
+        }
         pool.task(pool.arg, tid, pool.active);
         if (atomic_fetch_add(&pool.done, 1) == pool.active - 2 && atomic_load(&pool.caller_sleeps)) {
             pthread_mutex_lock(&pool.lock);  /* the caller sleeps (or is about to, under the lock): wake it */
@@ -147,49 +197,80 @@ static void *worker(void *arg) {
 }
 
 /* Starts `threads` - 1 workers (the caller is thread 0), at most as many threads as the process has CPUs -> the
-   pool's size; a started pool keeps its size. cpus:
-   thread t's CPU (distinct physical cores), or NULL: none pinned. Each worker keeps to its CPU; the thread that
-   calls a step holds cpus[0] for the step's length (hold_cpu). A worker woken after a long idle gap otherwise
-   tends to be placed on the caller's core, and the two then take turns there for the whole step. */
-int k2_pool_start(int threads, const int *cpus) {
+   pool's size; a started pool keeps its size. cpus: thread t's CPU (distinct physical cores), or NULL: none pinned.
+   leases: the open lock file of cpus[t]'s core, shared with the host's other processes of this project, or NULL:
+   every core the process's own. A step runs on the cores whose leases the process holds (taken at each step's start
+   where free, given back after LEASE_IDLE_SECONDS without a step or, all but one, when a worker went without a
+   core), each thread on its own; the thread that calls a step holds its core for the step's length (hold_cpu). A
+   worker woken after a long idle gap otherwise tends to be placed on the caller's core, and the two then take turns
+   there for the whole step. */
+int k2_pool_start(int threads, const int *cpus, const int *leases) {
     if (pool.threads) return pool.threads;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     cpu_set_t allowed;  /* more threads than the process's CPUs would only take turns on them */
     if (sched_getaffinity(0, sizeof allowed, &allowed) == 0 && CPU_COUNT(&allowed) < threads) threads = CPU_COUNT(&allowed);
-    for (int t = 0; t < threads; t++) pool.cpus[t] = cpus ? cpus[t] : -1;
+    for (int t = 0; t < threads; t++) {
+        pool.cpus[t] = pool.place[t] = cpus ? cpus[t] : -1;
+        pool.leases[t] = leases && threads > 1 && pool.cpus[t] >= 0 ? leases[t] : -1;
+    }
     for (int t = 1; t < threads; t++)
         if (pthread_create(&pool.ids[t], NULL, worker, (void *)(intptr_t)t) != 0) { threads = t; break; }
     pool.threads = threads;
     return threads;
 }
 
-/* the threads a step runs on: the pool's, or the caller alone while a worker lately went without a core (a busy
-   host: no step waits on a thread that has no core, and the results do not depend on the number of threads) */
+/* the threads a step runs on: one a core the process holds (taking the free leases first), or the caller alone
+   while a worker lately went without a core (a busy host: no step waits on a thread that has no core) or where
+   other processes hold every core; the results do not depend on the number of threads */
 static void begin_step(void) {
-    pool.active = pool.threads > 1 && now() >= atomic_load(&pool.quiet_until) ? pool.threads : 1;
+    atomic_store(&pool.in_step, 1);
+    if (pool.threads <= 1) { pool.active = 1; return; }
+    int quiet = now() < atomic_load(&pool.quiet_until), count = 0;
+    pthread_mutex_lock(&pool.lock);
+    for (int t = 0; t < pool.threads; t++)
+        if (pool.leases[t] < 0 || (quiet ? pool.held[t] : take_lease(t))) pool.place[count++] = pool.cpus[t];
+    pthread_mutex_unlock(&pool.lock);
+    pool.active = quiet ? 1 : MAX(count, 1);
 }
 
 typedef struct { cpu_set_t before; int held; } Held;
 
-static Held hold_cpu(void) {  /* the calling thread onto cpus[0] until release_cpu, in a step of several threads
-                                 (a step of the caller alone goes wherever the system finds a free core) */
+static Held hold_cpu(void) {  /* the calling thread onto the step's first core until release_cpu, in a step of
+                                 several threads (a step of the caller alone goes wherever the system finds a core) */
     Held h = {.held = 0};
-    if (pool.active > 1 && pool.cpus[0] >= 0 && sched_getaffinity(0, sizeof h.before, &h.before) == 0) {
-        pin(pool.cpus[0]);
+    if (pool.active > 1 && pool.place[0] >= 0 && sched_getaffinity(0, sizeof h.before, &h.before) == 0) {
+        pin(pool.place[0]);
         h.held = 1;
     }
     return h;
 }
 
-static void release_cpu(Held *h) {
+static void release_cpu(Held *h) {  /* and the step's end */
     if (h->held) sched_setaffinity(0, sizeof h->before, &h->before);
+    atomic_store(&pool.step_ended, now());
+    atomic_store(&pool.in_step, 0);
+}
+
+/* the leases of this process and the threads of its last step: bit t of *held for leases[t] -> active threads */
+int k2_pool_leases(int *held) {
+    int mask = 0;
+    pthread_mutex_lock(&pool.lock);
+    for (int t = 0; t < pool.threads && t < 31; t++) mask |= pool.held[t] << t;
+    pthread_mutex_unlock(&pool.lock);
+    *held = mask;
+    return pool.active;
 }
 
 /* a worker went without a core: nobody spins for QUIET_SECONDS, twice that if it happened in the last quiet time
    (or as long after it), and so on up to QUIET_DOUBLINGS times: one late wake-up (an interrupt, the host taking the
    core a moment) costs 10 ms of sleeping waits, a host with more threads than cores keeps them sleeping */
 static void starved(double at) {
+    pthread_mutex_lock(&pool.lock);  /* the cores but one go back: a process beside this one may hold them */
+    int keep = 0;
+    while (keep < pool.threads && !pool.held[keep]) keep++;
+    give_back_leases(keep);
+    pthread_mutex_unlock(&pool.lock);
     double until = atomic_load(&pool.quiet_until), quiet = QUIET_SECONDS * (1 << MIN(pool.streak, QUIET_DOUBLINGS));
     pool.streak = at < until + quiet ? pool.streak + 1 : 0;
     atomic_store(&pool.quiet_until, at + QUIET_SECONDS * (1 << MIN(pool.streak, QUIET_DOUBLINGS)));
