@@ -89,6 +89,15 @@ def _export_side():
     return exporter
 
 
+def _time_left(done: int, total: int | None, seconds: float) -> str:
+    """"; 40% of the checkpoint read at 210 MB/s, about 3 min left" from the bytes read so far, or ""."""
+    if not total or done <= 0 or seconds <= 0:
+        return ""
+    left = seconds * (total - done) / done
+    when = f"{left / 60:.0f} min" if left >= 90 else f"{left:.0f} s"
+    return f"; {min(done / total, 1):.0%} of the checkpoint read at {done / seconds / 1e6:.0f} MB/s, about {when} left"
+
+
 def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
@@ -123,8 +132,9 @@ def cmd_export(args: argparse.Namespace) -> None:
             elif terminal:
                 bar.n = event["done_bytes"]  # the bar counts checkpoint bytes; the int8 lowering writes others
                 bar.refresh()
-            elif not args.json:  # a log, not a terminal: one line per graph
-                print(f"export: {event['stem']} written ({event['bytes'] / 1e6:.1f} MB in {event['seconds']:.1f} s)",
+            elif not args.json:  # a log, not a terminal: one line per graph, with the time left
+                print(f"export: {event['stem']} written ({event['bytes'] / 1e6:.1f} MB in {event['seconds']:.1f} s)"
+                      f"{_time_left(event['done_bytes'], bar.total, time.perf_counter() - started)}",
                       file=sys.stderr, flush=True)
 
         manifest = exporter.export_artifact(options, Path(args.out), force=args.force, on_progress=progress,

@@ -8,7 +8,6 @@ file: a real-size layer is exported within a few hundred MB of memory.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -23,6 +22,7 @@ import torch
 
 from .. import plugins
 from ..core.manifest import GRAPH_KEY, sha256_file
+from .background_writer import BackgroundWriter
 
 ALIGNMENT = 64  # every initializer starts at a multiple of this offset in the .data file
 
@@ -86,22 +86,16 @@ def _write_data(model: ir.Model, directory: Path, data_name: str, path: Path,
                 on_bytes: Callable[[int], None]) -> tuple[int, str]:
     """Streams every initializer into `path`, aligned, pointing the model's initializers at `data_name` in
     `directory`; -> (bytes written, their sha256)."""
-    digest = hashlib.sha256()
-
-    def write(f, data) -> None:
-        f.write(data)
-        digest.update(data)
-
     offset = 0
-    with open(path, "wb") as f:
+    with open(path, "wb") as f, BackgroundWriter(f) as sink:  # written and hashed while the next piece is made
         for name, value in model.graph.initializers.items():
             pad = -offset % ALIGNMENT
-            write(f, b"\0" * pad)
+            sink.write(b"\0" * pad)
             offset += pad
             length = 0
             for piece in initializer_bytes(name):
                 chunk = np.ascontiguousarray(piece).reshape(-1).view(np.uint8)
-                write(f, chunk.data)
+                sink.write(chunk.data)
                 length += chunk.nbytes
                 on_bytes(chunk.nbytes)
             expected = value.dtype.itemsize * math.prod(int(d) for d in value.shape)
@@ -110,7 +104,8 @@ def _write_data(model: ir.Model, directory: Path, data_name: str, path: Path,
             value.const_value = ir.ExternalTensor(data_name, offset, length, value.dtype, shape=value.shape,
                                                   name=name, base_dir=directory)
             offset += length
-    return offset, digest.hexdigest()
+        digest = sink.finish()
+    return offset, digest
 
 
 def _graph_proto(model: ir.Model, functions: list[onnx.FunctionProto], stem: str) -> onnx.ModelProto:

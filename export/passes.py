@@ -30,9 +30,11 @@ from ..core import int4
 from ..core.quant_blocks import INT4_GROUP
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
+from ..core.errors import K2Error
 from ..core.manifest import file_record
 from ..core.targets import get_target
 from ..plugins import int8
+from ..plugins.fp8 import E4M3_VALUES
 from ..plugins.int4 import EXACT, INT8_ACTIVATIONS
 
 
@@ -101,39 +103,70 @@ class Int8Weights(Pass):
             source = prefix + module + ".weight"
             rows, cols = checkpoint.entries[source].shape
             block = int8.int8_block(cols)
-            return (_int8_part(_float_rows(config, checkpoint, source, start, start + ROWS_PER_PIECE), block,
-                               part.endswith("scale"))
+            return (_int8_part(_source_rows(config, checkpoint, source, start, start + ROWS_PER_PIECE), block,
+                               part.endswith("scale"), source)
                     for start in range(0, rows, ROWS_PER_PIECE))
         if name.startswith("mlp.experts_fc"):
             fc, part = name.removeprefix("mlp.experts_").split("_")
             block = self.experts_block(config)
-            return (_int8_part(_expert_fc(config, checkpoint, f"{prefix}mlp.experts.{e}.", fc), block, part == "scale")
+            return (_int8_part(_expert_fc(config, checkpoint, f"{prefix}mlp.experts.{e}.", fc), block,
+                               part == "scale", f"{prefix}mlp.experts.{e}.{fc}")
                     for e in range(config.n_routed_experts))
         return None
 
 
-def _int8_part(weight: np.ndarray, block: int, scales: bool) -> np.ndarray:
-    codes, block_scales = int8.quantize_rows(weight, block)
-    return block_scales if scales else codes
+# A checkpoint weight's rows as the int8 pass reads them: float32 [rows, cols] (BF16 widened), or FP8 as stored,
+# (e4m3 bits [rows, cols] uint8, each row's block scales [rows, ceil(cols / fp8_block)] float32, fp8_block)
+SourceRows = np.ndarray | tuple[np.ndarray, np.ndarray, int]
 
 
-def _float_rows(config: ModelConfig, checkpoint: Checkpoint, name: str, start: int, stop: int) -> np.ndarray:
-    """Rows start:stop of a checkpoint weight in float32 (FP8 dequantised with its block scales; BF16 widened)."""
-    raw = checkpoint.raw(name)[start:stop]
+def _int8_part(rows: SourceRows, block: int, scales: bool, name: str) -> np.ndarray:
+    """The int8 codes, or their block scales, of one piece of a weight; FP8 goes straight to int8 (plugins/int8.py),
+    without a float32 copy."""
+    if isinstance(rows, np.ndarray):
+        return int8.block_scales(rows, block) if scales else int8.quantize_rows(rows, block)[0]
+    bits, row_scales, fp8_block = rows
+    if fp8_block % block:
+        raise K2Error(f"{name}: an int8 block of {block} does not lie inside the FP8 blocks of {fp8_block}")
+    largest = int8.fp8_block_maxima(bits, block)
+    if (largest == int8.NAN_MAGNITUDE).any():
+        raise K2Error(f"{name}: its FP8 weight holds NaN codes; the checkpoint is damaged")
+    return int8.fp8_scales(largest, row_scales, fp8_block, block) if scales else int8.fp8_codes(bits, largest, block)
+
+
+def _source_rows(config: ModelConfig, checkpoint: Checkpoint, name: str, start: int, stop: int) -> SourceRows:
+    """Rows start:stop of a checkpoint weight: BF16 widened to float32, FP8 as stored with each row's scales."""
+    raw = checkpoint.rows(name, start, stop)
     if raw.dtype.itemsize != 1:
         return raw.astype(np.float32)
     fp8 = config.fp8_block[0]
-    scale = checkpoint.raw(name + "_scale_inv")[start // fp8 : -(-stop // fp8)]
-    return int8.fp8_to_float(raw.view(np.uint8), scale, fp8)
+    scale = checkpoint.rows(name + "_scale_inv", start // fp8, -(-(start + len(raw)) // fp8))
+    first = start % fp8
+    return raw.view(np.uint8), np.repeat(scale, fp8, axis=0)[first : first + len(raw)].astype(np.float32), fp8
 
 
-def _expert_fc(config: ModelConfig, checkpoint: Checkpoint, expert: str, fc: str) -> np.ndarray:
+def _float32(rows: SourceRows) -> np.ndarray:
+    """A weight's rows dequantised to float32 [rows, cols]."""
+    if isinstance(rows, np.ndarray):
+        return rows
+    bits, row_scales, fp8_block = rows
+    return E4M3_VALUES[bits] * np.repeat(row_scales, fp8_block, axis=1)[:, : bits.shape[1]]
+
+
+def _interleave(first: np.ndarray, second: np.ndarray) -> np.ndarray:
+    """[r, ...] and [r, ...] -> [2r, ...]: first's row 0, second's row 0, first's row 1, ..."""
+    return np.stack([first, second], axis=1).reshape(2 * first.shape[0], *first.shape[1:])
+
+
+def _expert_fc(config: ModelConfig, checkpoint: Checkpoint, expert: str, fc: str) -> SourceRows:
     """fc1: gate and up rows interleaved [2f, m] (QMoE's fused SwiGLU layout); fc2: down [m, f]."""
-    whole = lambda proj: _float_rows(config, checkpoint, f"{expert}{proj}.weight", 0, 1 << 62)  # noqa: E731
+    whole = lambda proj: _source_rows(config, checkpoint, f"{expert}{proj}.weight", 0, 1 << 62)  # noqa: E731
     if fc == "fc2":
         return whole("down_proj")
     gate, up = whole("gate_proj"), whole("up_proj")
-    return np.stack([gate, up], axis=1).reshape(2 * gate.shape[0], gate.shape[1])
+    if isinstance(gate, np.ndarray):
+        return _interleave(gate, up)
+    return _interleave(gate[0], up[0]), _interleave(gate[1], up[1]), gate[2]
 
 
 # -- tensorrt_plugins --------------------------------------------------------------------------------
@@ -174,8 +207,8 @@ class Int4Experts(Pass):
                            part == "scales") for e in range(config.n_routed_experts))
 
 
-def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
-    packed, scale = int4.quantize(weight, INT4_GROUP)
+def _int4_part(rows: SourceRows, scales: bool) -> np.ndarray:
+    packed, scale = int4.quantize(_float32(rows), INT4_GROUP)
     return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
 
 

@@ -33,21 +33,66 @@ INT8_COMPUTE = 4  # accuracy_level: int8 activations, int8 dot-product kernels
 
 # -- re-quantisation (numpy; the exporter streams it into the artifact) ----------------------
 
-def fp8_to_float(bits: np.ndarray, scale: np.ndarray, fp8_block: int) -> np.ndarray:
-    """e4m3 bits [rows, cols] uint8 and block scales [ceil(rows/b), ceil(cols/b)] -> float32 [rows, cols]."""
-    rows, cols = bits.shape
-    values = E4M3_VALUES[bits]
-    return values * np.repeat(np.repeat(scale, fp8_block, 0)[:rows], fp8_block, 1)[:, :cols]
+def block_scales(weight: np.ndarray, block: int) -> np.ndarray:
+    """float32 [rows, cols] -> each block's scale, absmax / 127: float32 [rows, cols / block]."""
+    rows, cols = weight.shape
+    return (np.abs(weight.reshape(rows, cols // block, block)).max(axis=-1) / 127.0).astype(np.float32)
 
 
 def quantize_rows(weight: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 [rows, cols] -> codes [rows, cols / block, block] uint8 and scales [rows, cols / block] float32."""
     rows, cols = weight.shape
-    blocks = weight.reshape(rows, cols // block, block)
-    scales = np.abs(blocks).max(axis=-1) / 127.0
+    scales = block_scales(weight, block)
     safe = np.where(scales > 0, scales, 1.0)
-    codes = np.clip(np.rint(blocks / safe[..., None]), -127, 127) + ZERO_POINT
-    return codes.astype(np.uint8), scales.astype(np.float32)
+    codes = np.clip(np.rint(weight.reshape(rows, cols // block, block) / safe[..., None]), -127, 127) + ZERO_POINT
+    return codes.astype(np.uint8), scales
+
+
+# FP8 straight to int8 blocks. An int8 block lies inside one FP8 block, so its absmax is that block's scale times
+# the largest e4m3 magnitude in it, and the scale cancels from every code: code = rint(127 E[bits] / E[largest]).
+# One table holds that code for every (largest magnitude, bits) pair, so the checkpoint's bytes become the
+# artifact's in a pass of byte operations, with no float32 copy of the weight.
+NAN_MAGNITUDE = 0x7F  # e4m3fn's NaN, without its sign bit
+FP8_CHUNK_ROWS = 64  # rows mapped at a time: a chunk's 16-bit table indices stay in cache
+
+
+def _fp8_code_table() -> np.ndarray:
+    """-> uint8 [128 * 256]: at largest << 8 | bits, the code + ZERO_POINT of e4m3 `bits` in a block whose largest
+    magnitude's bits are `largest` (0 for a block of zeros and for NaN)."""
+    magnitudes = E4M3_VALUES[:128].astype(np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = magnitudes[None, :] * 127 / magnitudes[:, None]  # [largest, magnitude bits]
+    codes = np.where(np.isfinite(ratio), np.clip(np.rint(ratio), 0, 127), 0).astype(np.int16)
+    return np.concatenate([ZERO_POINT + codes, ZERO_POINT - codes], axis=1).astype(np.uint8).reshape(-1)
+
+
+_FP8_CODES = _fp8_code_table()
+
+
+def fp8_block_maxima(bits: np.ndarray, block: int) -> np.ndarray:
+    """e4m3 bits [rows, cols] uint8 -> the largest magnitude's bits in each int8 block, uint8 [rows, cols / block]
+    (NAN_MAGNITUDE where a block holds a NaN)."""
+    rows, cols = bits.shape
+    return np.bitwise_and(bits, 0x7F).reshape(rows, cols // block, block).max(axis=-1)
+
+
+def fp8_codes(bits: np.ndarray, largest: np.ndarray, block: int) -> np.ndarray:
+    """e4m3 bits [rows, cols] and their blocks' fp8_block_maxima -> codes [rows, cols / block, block] uint8, as
+    quantize_rows gives them for the dequantised weight."""
+    rows, cols = bits.shape
+    blocks = bits.reshape(rows, cols // block, block)
+    codes = np.empty(blocks.shape, np.uint8)
+    for start in range(0, rows, FP8_CHUNK_ROWS):
+        part = slice(start, start + FP8_CHUNK_ROWS)
+        np.take(_FP8_CODES, (largest[part, :, None].astype(np.uint16) << 8) | blocks[part], out=codes[part])
+    return codes
+
+
+def fp8_scales(largest: np.ndarray, row_scales: np.ndarray, fp8_block: int, block: int) -> np.ndarray:
+    """fp8_block_maxima [rows, cols / block] and each row's FP8 block scales [rows, ceil(cols / fp8_block)] -> the
+    int8 blocks' scales [rows, cols / block] float32 (block divides fp8_block)."""
+    per_block = np.repeat(row_scales, fp8_block // block, axis=1)[:, : largest.shape[1]]
+    return (per_block * (E4M3_VALUES[largest] / np.float32(127.0))).astype(np.float32)
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

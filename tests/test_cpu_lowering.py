@@ -67,6 +67,34 @@ def test_requantised_weights_are_within_half_a_step_of_the_fp8_values(tiny_check
         assert np.sqrt(((back - weight) ** 2).mean() / (weight ** 2).mean()) < 0.01
 
 
+def test_fp8_goes_straight_to_the_int8_codes_the_dequantised_weight_gives():
+    """The exporter maps FP8 bytes to int8 codes through one table (no float32 copy): every e4m3 value (both signs,
+    subnormals, zeros, all-zero blocks) under ragged block scales gives the codes and scales that quantising the
+    dequantised weight gives, to one code where float32 rounding lands on a tie; a NaN code is found."""
+    from k2deploy.plugins.fp8 import dequantize
+
+    rng = np.random.default_rng(1)
+    rows, cols, fp8 = 200, 384, 128  # rows past a whole FP8 block
+    bits = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    bits[bits & 0x7F == int8.NAN_MAGNITUDE] = 0
+    bits[:4, :128] = np.arange(256, dtype=np.uint8).reshape(2, 128).repeat(2, 0)[:, :128]  # every magnitude
+    bits[5, 32:64] = 0x80  # a block of negative zeros
+    bits[bits & 0x7F == int8.NAN_MAGNITUDE] = 0
+    scale = np.exp(rng.uniform(-12, 4, (-(-rows // fp8), cols // fp8))).astype(np.float32)
+    weight = dequantize(torch.from_numpy(bits).view(torch.float8_e4m3fn), torch.from_numpy(scale), fp8).numpy()
+    row_scales = np.repeat(scale, fp8, axis=0)[:rows]
+    for block in (128, 32):
+        want_codes, want_scales = int8.quantize_rows(weight, block)
+        largest = int8.fp8_block_maxima(bits, block)
+        codes, scales = int8.fp8_codes(bits, largest, block), int8.fp8_scales(largest, row_scales, fp8, block)
+        assert np.abs(codes.astype(int) - want_codes).max() <= 1
+        assert (codes != want_codes).mean() < 1e-3
+        assert np.allclose(scales, want_scales, rtol=1e-6, atol=0)
+    assert codes[5, 1].tolist() == [int8.ZERO_POINT] * 32 and scales[5, 1] == 0  # block 32: the zeros' block
+    bits[7, 9] = 0xFF
+    assert int8.fp8_block_maxima(bits, 32)[7, 0] == int8.NAN_MAGNITUDE
+
+
 def _contrib_graph(node: onnx.NodeProto, inputs: dict, initializers: dict):
     import onnxruntime as ort
 

@@ -91,6 +91,31 @@ class Checkpoint:
         finally:
             os.close(descriptor)
 
+    def rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows start:stop (of the first dim; clipped to it) of a stored tensor of at least one dim, as a private
+        array the file is read straight into (FP8 as ml_dtypes.float8_e4m3fn): nothing of the shard stays mapped,
+        so re-quantising a real-size layer piece by piece holds one piece at a time."""
+        entry = self.entries.get(name)
+        if entry is None:
+            raise K2Error(f"{self.root}: no tensor named {name}")
+        count = entry.shape[0]
+        stop = min(stop, count)
+        start = min(max(start, 0), stop)
+        row_bytes = entry.nbytes // count if count else 0
+        out = np.empty((stop - start) * row_bytes, np.uint8)
+        view, offset, done = memoryview(out), entry.begin + start * row_bytes, 0
+        descriptor = os.open(entry.shard, os.O_RDONLY)
+        try:
+            while done < out.nbytes:
+                got = os.preadv(descriptor, [view[done:]], offset + done)
+                if got <= 0:
+                    raise K2Error(f"{entry.shard}: ends inside tensor {name}; the shard is truncated")
+                done += got
+        finally:
+            os.close(descriptor)
+        self.bytes_read += out.nbytes
+        return out.view(NUMPY_DTYPES[entry.dtype]).reshape((stop - start, *entry.shape[1:]))
+
     def read(self, name: str) -> np.ndarray:
         """The stored tensor as a private array read with pread (FP8 as ml_dtypes.float8_e4m3fn): nothing of the
         shard stays mapped, so reading every tensor of a real-size layer one by one holds one tensor at a time."""
