@@ -184,6 +184,13 @@ class Cache:
         self.lengths[slot] = usable
         return usable
 
+    def pages_short(self, slots: Sequence[int], lengths: Sequence[int]) -> int:
+        """How many pages more than the pool has left giving each slot its first `lengths` positions takes (0 or
+        less: they fit)."""
+        needed = sum(max(0, pages_for(int(length), self.page_size) - len(self.tables[slot]))
+                     for slot, length in zip(slots, lengths))
+        return needed - self.pool.available
+
     def reserve(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
         """Gives each slot the pages for its first `lengths` positions; PoolFull when the pool runs out (the
         pages taken by then stay with their slots)."""

@@ -61,12 +61,7 @@ class Generator:
         loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
         requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row, constraint=constraints(p))
                     for row, p in enumerate(prompts)]
-        first, rest = requests[0], requests[1:]
-        loop.submit(first)
-        if any(_shared(first.prompt_ids, r.prompt_ids) >= loop.cache.page_size for r in rest):
-            while first.prefilling and not first.done:  # its pages first, so that the others reuse their prefix
-                loop.step()
-        for request in rest:
+        for request in requests:  # one sharing another's prompt start waits for its pages (Scheduler.leader)
             loop.submit(request)
         loop.run_until_done()
         results = []
@@ -86,12 +81,3 @@ class Generator:
         forward = BatchForward(self.model, self.model.new_cache(1, len(prompt)))
         return forward.prefill([0], [prompt], every_position=True)[0]
 
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """How many tokens two prompts share at their start."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

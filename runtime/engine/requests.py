@@ -92,14 +92,11 @@ class GenerationRequest:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                  decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
                  parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
-                 row: int = 0, constraint: Constraint | None = None, after: GenerationRequest | None = None,
-                 reasoning: ReasoningSplitter | None = None):
-        """row: its place among choices of one prompt (seeds its sampling); after: a request of the same prompt
-        whose prefill it waits for, to reuse the pages that prefill fills (the step loop sets it, too, to a request
-        still prefilling the same first page of a prompt)."""
+                 row: int = 0, constraint: Constraint | None = None, reasoning: ReasoningSplitter | None = None):
+        """row: its place among choices of one prompt (seeds its sampling)."""
         self.prompt_ids = prompt_ids
         self.params = params
-        self.after = after
+        self.after: GenerationRequest | None = None  # the request whose pages it reuses (Scheduler.leader)
         self.reasoning = reasoning  # splits a thinking model's reasoning from its answer, where it may think
         self.constraint = constraint  # the grammar its answer must keep to (runtime/text/constrained.py), if any
         # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does

@@ -1,6 +1,7 @@
 """Who runs in the next step: a first-come queue of waiting requests and the cache slots of the running ones (a
 request is admitted when a slot is free and the cache has pages for its prompt; a preempted one waits first in
-line), which prompt chunks run together and how long they are, and whom to preempt when pages run out.
+line), which prompt chunks run together and how long they are, who waits for another's prefill to share its
+pages, and whom to preempt when pages run out.
 
 The HTTP side submits and cancels from the event loop; the engine thread admits, and lets
 requests leave, at step boundaries. One lock guards the queue and the slot table.
@@ -75,14 +76,21 @@ class Scheduler:
         return cache is None or pages_for(len(request.feed_ids) + 1, cache.page_size) <= cache.pool.available
 
     def leader(self, request: GenerationRequest) -> GenerationRequest | None:
-        """A running request still prefilling the first full page of `request`'s prompt: `request` waits for it
-        and then finds the pages of their shared prefix in the cache, instead of computing them again (None
-        where there is none, or no prefix reuse)."""
+        """The running request whose pages `request` can take instead of computing them again: one still
+        prefilling the first full page of its prompt (with prefix reuse) or the whole of a prompt shorter than a
+        page, which `request` waits for; else one holding the same prompt (another choice of it). Once admitted,
+        `request` finds their full pages in the cache and copies the partial one (Cache.follow). None where there
+        is none."""
         cache = self.cache
-        if cache is None or not cache.pool.prefix_cache or len(request.feed_ids) <= cache.page_size:
+        if cache is None:
             return None
-        head = request.feed_ids[:cache.page_size]
-        return next((r for r in self.running() if r.prefilling and r.feed_ids[:cache.page_size] == head), None)
+        page, feed = cache.page_size, request.feed_ids
+        if len(feed) > page and not cache.pool.prefix_cache:
+            return None
+        same = (lambda r: r.feed_ids[:page] == feed[:page]) if len(feed) > page else (lambda r: r.feed_ids == feed)
+        others = [r for r in self.running() if not r.done]
+        return (next((r for r in others if r.prefilling and same(r)), None)
+                or next((r for r in others if r.feed_ids == feed), None))
 
     def prefill_rows(self, requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], int]:
         """The prefilling requests that run this step, oldest first, and their chunk size: PREFILL_CHUNK, less where
@@ -95,9 +103,26 @@ class Scheduler:
                 return requests, size
             requests = requests[:-1]
 
-    def victim(self) -> GenerationRequest:
-        """The running request to preempt when the pool runs out of pages: the newest admitted."""
-        return max(self.running(), key=lambda r: r.admission)
+    def make_room(self, requests: list[GenerationRequest], lengths: list[int]
+                  ) -> tuple[list[GenerationRequest], list[GenerationRequest], GenerationRequest | None]:
+        """Frees the pages a forward of `requests` up to `lengths` positions needs beyond what the pool has left:
+        while it is short, the newest admitted running request is preempted (its slot and pages given back; it
+        waits first in line and later runs its prompt and what it generated again) -> (the requests that still
+        run, those preempted, and a request that alone needs more than the whole pool, or None). The forward
+        then takes the pages (BatchForward)."""
+        preempted = []
+        while True:
+            rows = [(r, n) for r, n in zip(requests, lengths) if r.slot is not None]
+            if self.cache is None or self.cache.pages_short([r.slot for r, _ in rows], [n for _, n in rows]) <= 0:
+                return [r for r, _ in rows], preempted, None
+            running = self.running()
+            if len(running) == 1:  # alone and still short: it outgrew the whole pool
+                return [r for r, _ in rows if r is not running[0]], preempted, running[0]
+            victim = max(running, key=lambda r: r.admission)
+            self.cache.release(victim.slot)
+            self.requeue(victim)
+            victim.preempt()
+            preempted.append(victim)
 
     def requeue(self, request: GenerationRequest) -> None:
         """A running request gives its slot back and waits first in line (preempted: the cache ran out of pages)."""

@@ -26,7 +26,6 @@ import numpy as np
 
 from ...core.errors import K2Error
 from ..backends.interface import Model
-from ..cache.page_pool import PoolFull
 from .batch_forward import BatchForward
 from .counters import StepCounters
 from .requests import GenerationRequest, TokenLogprob, Update
@@ -154,31 +153,18 @@ class StepLoop:
             self._emit(requests, logits)
 
     def _make_room(self, requests: list[GenerationRequest], lengths: list[int]) -> list[GenerationRequest]:
-        """Gives each request's slot the pages for its first `lengths` positions. When the pool runs out, the newest
-        running request is preempted (its pages freed; it waits first in line and later runs its prompt and
-        what it generated again): -> the requests that still run. A request that alone needs more than the
-        whole pool ends with finish_reason "length"."""
-        for request, length in zip(requests, lengths):
-            while request.slot is not None:
-                try:
-                    self.cache.reserve([request.slot], [length])
-                    break
-                except PoolFull:
-                    if self.scheduler.running() == [request]:
-                        self._end(request, "length")
-                    else:
-                        self._preempt(self.scheduler.victim())
-        return [r for r in requests if r.slot is not None]
-
-    def _preempt(self, request: GenerationRequest) -> None:
-        slot = request.slot
-        self.scheduler.requeue(request)
-        self.cache.release(slot)
-        request.preempt()
-        log.info("cache pool full: preempted a request (%d tokens in; it runs again when pages are free)",
-                 len(request.feed_ids))
-        if self.metrics:
-            self.metrics.preemptions.inc()
+        """The pool's pages for each request's first `lengths` positions, made free by the scheduler (preempting the
+        newest running requests) -> the requests that still run; one that alone needs more than the whole pool ends
+        with finish_reason "length"."""
+        running, preempted, outgrown = self.scheduler.make_room(requests, lengths)
+        for request in preempted:
+            log.info("cache pool full: preempted a request (%d tokens in; it runs again when pages are free)",
+                     len(request.feed_ids))
+            if self.metrics:
+                self.metrics.preemptions.inc()
+        if outgrown is not None:
+            self._end(outgrown, "length")
+        return running
 
     def _end(self, request: GenerationRequest, reason: str) -> None:
         self.send(request, request.end(reason))

@@ -109,13 +109,11 @@ class Service:
         jobs = []
         for prompt_ids, steering in prompts:
             params = self.sampling(options, steering, max_new_tokens(options, len(prompt_ids), self.engine.context))
-            leader = None
-            for row in range(options.n):  # the choices of one prompt: the first prefills, the others reuse its pages
+            for row in range(options.n):  # the choices of one prompt: the scheduler has the first prefill, the
+                # others reuse its pages
                 constraint = await asyncio.to_thread(self.constraint, options, steering, prompt_ids)
-                job = self.job(prompt_ids, params, options, steering, constraint, row, leader,
-                               deliver=partial(_deliver, loop, updates, len(jobs)))
-                leader = leader or job
-                jobs.append(job)
+                jobs.append(self.job(prompt_ids, params, options, steering, constraint, row,
+                                     deliver=partial(_deliver, loop, updates, len(jobs))))
         self.submit(jobs, chat)
         reply = Reply.new(chat, self.model_name)
         logprobs = None if options.logprobs is None else lambda entries, offset=0: logprobs_object(
@@ -134,13 +132,13 @@ class Service:
                               logprobs=options.logprobs)
 
     def job(self, prompt_ids: list[int], params: SamplingParams, options: Options, steering: ToolSteering,
-            constraint: Constraint | None, row: int, after: GenerationRequest | None, deliver) -> GenerationRequest:
+            constraint: Constraint | None, row: int, deliver) -> GenerationRequest:
         tokenizer = self.tokenizer
         return GenerationRequest(prompt_ids, params, options.stop,
                                  (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
                                  deliver=deliver, parser=ToolCallParser() if options.chat else None,
                                  forced_text=steering.forced_text, single_call=not options.parallel_tool_calls,
-                                 row=row, constraint=constraint, after=after,
+                                 row=row, constraint=constraint,
                                  reasoning=reasoning_splitter(tokenizer, prompt_ids) if options.chat else None)
 
     def submit(self, jobs: list[GenerationRequest], chat: bool) -> None:
