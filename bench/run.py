@@ -148,7 +148,7 @@ class _Ours:
         loop = StepLoop(model, batch, prompt_len + gen_len, max_queue=0)
         params = SamplingParams(temperature=0.0, max_new_tokens=gen_len)  # no stop ids: gen_len tokens each
         for row, prompt in enumerate(prompts(seed, batch, prompt_len, self.vocab).tolist()):
-            loop.submit(GenerationRequest(prompt, params, (), None, lambda update: None, row=row))
+            loop.submit(GenerationRequest(prompt, params, lambda update: None, row=row))
         reset_peak_rss()
         started = time.perf_counter()
         running = loop.admit()

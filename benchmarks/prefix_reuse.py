@@ -35,7 +35,7 @@ def chats(model, prefix_cache: bool, system: list[int], users: list[list[list[in
         history = list(system)
         for turn, user in enumerate(turns):
             prompt = history + user
-            request = GenerationRequest(prompt, SamplingParams(max_new_tokens=answer), (), None, lambda update: None)
+            request = GenerationRequest(prompt, SamplingParams(max_new_tokens=answer), lambda update: None)
             loop.submit(request)
             loop.run_until_done()
             requests.append({"chat": chat + 1, "turn": turn + 1, "prompt_tokens": len(prompt),

@@ -203,9 +203,8 @@ def _read_tools(path: str) -> list[dict]:
 def cmd_generate(args: argparse.Namespace) -> None:
     from ..core.manifest import load_manifest
     from ..runtime.text.chat_tools import ToolSteering
-    from ..runtime.text.reasoning import reasoning_splitter
+    from ..runtime.text.answer import answer_stream
     from ..runtime.engine.sampling import SamplingParams
-    from ..runtime.text.tool_calls import ToolCallParser
     from ..core.tokenizer_files import load_tokenizer
 
     if args.tools and not args.chat:
@@ -239,22 +238,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
         except GrammarError as exc:
             raise K2Error(f"--tools {args.tools}: {exc}") from None
     generator = _load_generator(args, len(prompt) + args.max_new_tokens, manifest)
-    result = generator.generate([prompt], params, lambda ids: constraint)[0]
+    result = generator.generate([prompt], params, lambda ids: constraint,
+                                lambda ids: answer_stream(tokenizer, ids, args.chat))[0]
     kernels = getattr(generator.model, "decode_kernels", None)  # the cpu provider's choice, and why
     if kernels:  # once it ran: a refused request's error stays the one line on stderr
         print(f"decode: {kernels}", file=sys.stderr)
-    text = tokenizer.decode(result.token_ids, skip_special=True) if tokenizer else None
-    calls, finish_reason, reasoning = [], result.finish_reason, None
-    if args.chat and text is not None:
-        splitter = reasoning_splitter(tokenizer, prompt)
-        if splitter is not None:
-            parts = (splitter.feed(text), splitter.finish())
-            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.answer for p in parts)
-        parser = ToolCallParser()
-        parser.feed(text)
-        parser.finish()
-        text, calls = parser.content, [c.to_openai() for c in parser.calls]
-        finish_reason = "tool_calls" if calls and finish_reason == "stop" else finish_reason
+    text, calls, finish_reason, reasoning = result.text, result.tool_calls, result.finish_reason, result.reasoning
     if args.json:
         _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "reasoning": reasoning or None,
                      "text": text, "tool_calls": calls, "finish_reason": finish_reason,

@@ -370,7 +370,7 @@ def _greedy(model, prompts: list[list[int]], params: SamplingParams) -> list[lis
     loop = StepLoop(model, len(prompts), max(map(len, prompts)) + params.max_new_tokens, max_queue=0)
     got: list[list[TokenLogprob]] = [[] for _ in prompts]
     for row, prompt in enumerate(prompts):
-        loop.submit(GenerationRequest(list(prompt), params, (), None, lambda update, row=row: got[row].extend(update.logprobs)))
+        loop.submit(GenerationRequest(list(prompt), params, lambda update, row=row: got[row].extend(update.logprobs)))
     loop.run_until_done()
     return got
 
@@ -424,7 +424,7 @@ def test_a_request_whose_grammar_or_sampler_fails_fails_alone(tiny_cpu_artifact)
             errors[row] = update.error
 
     for row, prompt in enumerate(prompts):
-        loop.submit(GenerationRequest(list(prompt), params, (), None, lambda update, row=row: deliver(update, row),
+        loop.submit(GenerationRequest(list(prompt), params, lambda update, row=row: deliver(update, row),
                                       constraint=broken.get(row)))
     loop.run_until_done()
     assert set(errors) == {2, 5}

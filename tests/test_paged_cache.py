@@ -184,7 +184,7 @@ def _requests(prompts, new_tokens):
     from k2deploy.runtime.engine.requests import GenerationRequest
     from k2deploy.runtime.engine.sampling import SamplingParams
 
-    return [GenerationRequest(list(p), SamplingParams(max_new_tokens=new_tokens), (), None, lambda update: None, row=i)
+    return [GenerationRequest(list(p), SamplingParams(max_new_tokens=new_tokens), lambda update: None, row=i)
             for i, p in enumerate(prompts)]
 
 

@@ -94,7 +94,7 @@ def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compile
         assert released()  # started and never asked: the actors stop polling
         updates = []
         params = SamplingParams(max_new_tokens=6)
-        engine.submit(GenerationRequest(list(PROMPTS[0]), params, (), None, updates.append))
+        engine.submit(GenerationRequest(list(PROMPTS[0]), params, updates.append))
         deadline = time.monotonic() + 60
         while not any(u.finish_reason or u.error for u in updates) and time.monotonic() < deadline:
             time.sleep(0.02)

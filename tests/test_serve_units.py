@@ -9,7 +9,8 @@ import pytest
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.commands.serve_command import add_serve_parser, exposure_warning
 from k2deploy.runtime.serve.protocol import ApiError, max_new_tokens, parse_options
-from k2deploy.runtime.engine.requests import GenerationRequest, TextStream
+from k2deploy.runtime.engine.requests import GenerationRequest
+from k2deploy.runtime.text.answer import AnswerStream, TextStream
 from k2deploy.runtime.engine.scheduler import QueueFull, Scheduler
 
 PIECES = {1: "Hel", 2: "lo", 3: " wor", 4: "ld", 5: "!", 6: "\u00e9"}
@@ -55,8 +56,8 @@ def test_a_held_prefix_that_does_not_become_the_stop_string_is_sent():
 
 def _request(prompt=(1, 2, 3), max_new=3, stop_ids=(99,), stop=()):
     updates = []
-    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=max_new, stop_ids=stop_ids), stop,
-                                _decode, updates.append)
+    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=max_new, stop_ids=stop_ids),
+                                updates.append, answer=AnswerStream(_decode, tuple(stop)))
     return request, updates
 
 
@@ -162,9 +163,9 @@ def _tool_request(pieces: list[str], single_call=False, forced="", max_new=32):
     from k2deploy.runtime.text.tool_calls import ToolCallParser
 
     table = dict(enumerate(pieces, start=100))
-    request = GenerationRequest([1], SamplingParams(max_new_tokens=max_new, stop_ids=(99,)), (),
-                                lambda ids: "".join(table[i] for i in ids), lambda update: None,
-                                parser=ToolCallParser(), forced_text=forced, single_call=single_call)
+    answer = AnswerStream(lambda ids: "".join(table[i] for i in ids), (), ToolCallParser(), forced, single_call)
+    request = GenerationRequest([1], SamplingParams(max_new_tokens=max_new, stop_ids=(99,)), lambda update: None,
+                                answer=answer)
     return request, list(table)
 
 
@@ -207,7 +208,7 @@ def test_forced_text_is_parsed_as_the_start_of_the_answer():
 
 
 def test_a_request_without_a_tokenizer_sends_token_ids():
-    request = GenerationRequest([1], SamplingParams(max_new_tokens=2, stop_ids=()), (), None, lambda update: None)
+    request = GenerationRequest([1], SamplingParams(max_new_tokens=2, stop_ids=()), lambda update: None)
     updates = [request.accept(41), request.accept(42)]
     assert [u.token_ids for u in updates] == [(41,), (42,)] and [u.text for u in updates] == ["", ""]
     assert updates[-1].finish_reason == "length"

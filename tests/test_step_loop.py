@@ -23,7 +23,7 @@ def model(tiny_artifacts):
 
 def _request(prompt, new_tokens, row=None):
     updates = []
-    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=new_tokens), (), None, updates.append,
+    request = GenerationRequest(list(prompt), SamplingParams(max_new_tokens=new_tokens), updates.append,
                                 row=row)
     return request, updates
 

@@ -12,9 +12,10 @@ import numpy as np
 from ...core.errors import K2Error
 from .batch_forward import BatchForward
 from ..cache.slots import Cache
+from ..text.answer import AnswerStream
 from ..text.constrained import Constraint
 from ..backends.interface import Model
-from .requests import GenerationRequest
+from .requests import GenerationRequest, Update
 from .sampling import SamplingParams
 from .step_loop import StepLoop
 
@@ -27,6 +28,9 @@ class Generation:
     ttft_ms: float = 0.0  # prefill and the first token
     tpot_ms: float = 0.0  # mean time per later token
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not prefilled
+    text: str | None = None  # the answer's text, with its answer stream (runtime/text/answer.py); None without one
+    reasoning: str = ""  # a thinking model's reasoning, split from the text
+    tool_calls: list[dict] = field(default_factory=list)  # the calls the answer made, as the OpenAI API writes them
 
 
 class Generator:
@@ -53,26 +57,33 @@ class Generator:
         return BatchForward(self.model, cache).decode(list(range(len(tokens))), tokens, active)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 constraints: Callable[[list[int]], Constraint | None] = lambda prompt: None) -> list[Generation]:
+                 constraints: Callable[[list[int]], Constraint | None] = lambda prompt: None,
+                 answers: Callable[[list[int]], AnswerStream | None] = lambda prompt: None) -> list[Generation]:
         """The prompts as requests of the step loop, run until each finished (a stop id or max_new_tokens);
-        constraints(prompt): the grammar its answer keeps to (runtime/text/constrained.py), None for a free one."""
+        constraints(prompt): the grammar its answer keeps to (runtime/text/constrained.py), None for a free one;
+        answers(prompt): its answer's text, reasoning and tool calls as the server makes them (runtime/text/answer.py),
+        None for token ids alone."""
         for prompt in prompts:
             self.check_prompt(prompt, params.max_new_tokens)
         loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
-        requests = [GenerationRequest(list(p), params, (), None, lambda update: None, row=row, constraint=constraints(p))
-                    for row, p in enumerate(prompts)]
+        streams = [answers(p) for p in prompts]
+        updates: list[list[Update]] = [[] for _ in prompts]
+        requests = [GenerationRequest(list(p), params, updates[row].append, row=row, constraint=constraints(p),
+                                      answer=streams[row]) for row, p in enumerate(prompts)]
         for request in requests:  # one sharing another's prompt start waits for its pages (Scheduler.leader)
             loop.submit(request)
         loop.run_until_done()
         results = []
-        for request in requests:
+        for request, stream, got in zip(requests, streams, updates):
             if request.error is not None:
                 raise K2Error(request.error)
             later = len(request.generated) - 1
             results.append(Generation(request.prompt_ids, list(request.generated), request.finish_reason,
                                       (request.first_token_at - request.arrived_at) * 1e3,
                                       (request.last_token_at - request.first_token_at) * 1e3 / later if later > 0 else 0.0,
-                                      request.cached_prompt_tokens or 0))
+                                      request.cached_prompt_tokens or 0,
+                                      None if stream is None else "".join(u.text for u in got),
+                                      "".join(u.reasoning for u in got), [] if stream is None else stream.calls()))
         return results
 
     def score(self, prompt: list[int]) -> np.ndarray:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
+from ..text.answer import AnswerDelta, AnswerStream
 from ..text.constrained import Constraint
-from ..text.reasoning import ReasoningSplitter
+from ..text.tool_calls import CallDelta
 from .sampling import SamplingParams
-from ..text.tool_calls import CallDelta, ToolCallParser, undecided_tail
 
 
 @dataclass(frozen=True)
@@ -37,75 +37,26 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-class TextStream:
-    """Token ids in, text out as it becomes final.
-
-    Decodes incrementally (from the last clean boundary, so a character split over tokens is
-    held until complete) and holds back any tail that may still grow into a stop string.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]):
-        self.decode = decode
-        self.stop = stop
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # ids[prefix_offset:read_offset] decode to text already taken
-        self.read_offset = 0
-        self.held = ""  # decoded, not yet released: may be the start of a stop string
-
-    def push(self, token: int) -> tuple[str, bool]:
-        """Adds one token -> (text now final, whether a stop string was reached; the text ends before it)."""
-        self.ids.append(token)
-        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset:])
-        if len(text) <= len(prefix) or text.endswith("\ufffd"):
-            return "", False  # an incomplete character: wait for the next token
-        self.held += text[len(prefix):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._release()
-
-    def finish(self) -> str:
-        """Everything still held, at the end of the generation (an incomplete character as U+FFFD)."""
-        taken = self.decode(self.ids[self.prefix_offset:self.read_offset])
-        text, self.held = self.held + self.decode(self.ids[self.prefix_offset:])[len(taken):], ""
-        return text
-
-    def _release(self) -> tuple[str, bool]:
-        found = [i for i in (self.held.find(s) for s in self.stop) if i >= 0]
-        if found:
-            text, self.held = self.held[: min(found)], ""
-            return text, True
-        keep = undecided_tail(self.held, self.stop)
-        text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-        return text, False
-
-
 class GenerationRequest:
     """A prompt waiting, prefilling or decoding in one slot of the cache, until it finishes or is cancelled.
 
-    The engine thread owns everything here but `cancelled`, which the HTTP side sets (client
-    gone); the engine reads it at the next step boundary and frees the slot. Without a tokenizer
-    (`decode` None) updates carry token ids and no text. With a tool-call `parser` the text goes
-    through it: the answer's content and its calls; `forced_text` (prefilled with the prompt by
-    tool_choice) is parsed first, and `single_call` ends the answer after its first call.
+    The engine thread owns everything here but `cancelled`, which the HTTP side sets (client gone); the engine reads
+    it at the next step boundary and frees the slot. Each sampled token goes through the request's `answer`
+    (runtime/text/answer.py: text, stop strings, reasoning, tool calls) into the update its `deliver` gets; without
+    one, updates carry token ids and no text.
     """
 
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
-                 decode: Callable[[list[int]], str] | None, deliver: Callable[[Update], None],
-                 parser: ToolCallParser | None = None, forced_text: str = "", single_call: bool = False,
-                 row: int = 0, constraint: Constraint | None = None, reasoning: ReasoningSplitter | None = None):
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, deliver: Callable[[Update], None],
+                 row: int = 0, constraint: Constraint | None = None, answer: AnswerStream | None = None):
         """row: its place among choices of one prompt (seeds its sampling)."""
         self.prompt_ids = prompt_ids
         self.params = params
         self.after: GenerationRequest | None = None  # the request whose pages it reuses (Scheduler.leader)
-        self.reasoning = reasoning  # splits a thinking model's reasoning from its answer, where it may think
         self.constraint = constraint  # the grammar its answer must keep to (runtime/text/constrained.py), if any
         # seeded by (seed, row in its batch): a server request is row 0, so it samples what `generate` does
         self.rng = np.random.default_rng(None if params.seed is None else [params.seed % 2**64, row])
-        self.text = TextStream(decode, stop) if decode is not None else None
+        self.answer = answer  # the answer's text, stop strings, reasoning and tool calls (None: ids alone)
         self.deliver = deliver
-        self.parser = parser
-        self.single_call = single_call
-        self.forced = parser.feed(forced_text) if parser and forced_text else None  # sent with the first token
         self.slot: int | None = None
         self.feed_ids = prompt_ids  # what runs before the next token is sampled: the prompt, after a preemption
         # the prompt and what was generated (the generated tokens are kept; the cache entries are recomputed)
@@ -157,48 +108,19 @@ class GenerationRequest:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         if token in self.params.stop_ids:
-            return self._update(self._flush(), (), "stop")
+            return self.end("stop")
         self.generated.append(token)
-        text, stopped = self.text.push(token) if self.text else ("", False)
-        if stopped:
-            update = self._update(text, (token,), "stop")
-        elif len(self.generated) >= self.params.max_new_tokens:
-            update = self._update(text + self._flush(), (token,), "length")
-        else:
-            update = self._update(text, (token,), None)
-        return replace(update, logprobs=(logprob,)) if logprob is not None else update
+        last = "length" if len(self.generated) >= self.params.max_new_tokens else None
+        delta = self.answer.push(token, last) if self.answer is not None else AnswerDelta(finish_reason=last)
+        return self._update(delta, (token,), () if logprob is None else (logprob,))
 
     def end(self, reason: str) -> Update:
-        """Ends it without a token (the cache cannot hold more of it): the last update, finish_reason `reason`."""
-        return self._update(self._flush(), (), reason)
+        """Ends it without a token (a stop id; the cache cannot hold more of it): the last update, finish_reason
+        `reason` (or "tool_calls" where the answer called tools)."""
+        delta = self.answer.finish(reason) if self.answer is not None else AnswerDelta(finish_reason=reason)
+        return self._update(delta, (), ())
 
-    def _flush(self) -> str:
-        return self.text.finish() if self.text else ""
-
-    def _update(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None) -> Update:
-        """The update for new text: its reasoning split off, where the model may think, then the answer through
-        the tool-call parser where there is one; sets finish_reason."""
-        reasoning = ""
-        if self.reasoning is not None:
-            parts = [self.reasoning.feed(text), *([self.reasoning.finish()] if finish_reason is not None else [])]
-            reasoning, text = "".join(p.reasoning for p in parts), "".join(p.answer for p in parts)
-        update = self._answer_update(text, token_ids, finish_reason)
-        return replace(update, reasoning=reasoning) if reasoning else update
-
-    def _answer_update(self, text: str, token_ids: tuple[int, ...], finish_reason: str | None) -> Update:
-        if self.parser is None:
-            self.finish_reason = finish_reason
-            return Update(text, finish_reason, token_ids=token_ids)
-        parsed = [d for d in (self.forced, self.parser.feed(text)) if d is not None]
-        self.forced = None
-        if self.single_call and self.parser.calls and self.parser.calls[0].complete:
-            finish_reason = "tool_calls"  # parallel_tool_calls false: the first call is the answer
-        if finish_reason is not None:
-            parsed.append(self.parser.finish())
-            if finish_reason == "stop" and self.parser.called:
-                finish_reason = "tool_calls"
-        self.finish_reason = finish_reason
-        calls = tuple(c for d in parsed for c in d.calls)
-        if self.single_call:
-            calls = tuple(c for c in calls if c.index == 0)
-        return Update("".join(d.content for d in parsed), finish_reason, tool_calls=calls, token_ids=token_ids)
+    def _update(self, delta: AnswerDelta, token_ids: tuple[int, ...], logprobs: tuple[TokenLogprob, ...]) -> Update:
+        self.finish_reason = delta.finish_reason
+        return Update(delta.text, delta.finish_reason, tool_calls=delta.tool_calls, token_ids=token_ids,
+                      logprobs=logprobs, reasoning=delta.reasoning)

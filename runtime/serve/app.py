@@ -29,9 +29,8 @@ from ...core.chat_template import ChatTokenizer
 from ...core.errors import K2Error
 from ..text.chat_tools import ToolSteering, calls_made
 from ..text.constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
-from ..text.reasoning import reasoning_splitter
+from ..text.answer import answer_stream
 from ..engine.sampling import SamplingParams
-from ..text.tool_calls import ToolCallParser
 from .engine import Engine
 from .metrics import ServerMetrics
 from .protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
@@ -133,13 +132,9 @@ class Service:
 
     def job(self, prompt_ids: list[int], params: SamplingParams, options: Options, steering: ToolSteering,
             constraint: Constraint | None, row: int, deliver) -> GenerationRequest:
-        tokenizer = self.tokenizer
-        return GenerationRequest(prompt_ids, params, options.stop,
-                                 (lambda ids: tokenizer.decode(ids, skip_special=True)) if tokenizer else None,
-                                 deliver=deliver, parser=ToolCallParser() if options.chat else None,
-                                 forced_text=steering.forced_text, single_call=not options.parallel_tool_calls,
-                                 row=row, constraint=constraint,
-                                 reasoning=reasoning_splitter(tokenizer, prompt_ids) if options.chat else None)
+        answer = answer_stream(self.tokenizer, prompt_ids, options.chat, options.stop, steering.forced_text,
+                               not options.parallel_tool_calls)
+        return GenerationRequest(prompt_ids, params, deliver, row=row, constraint=constraint, answer=answer)
 
     def submit(self, jobs: list[GenerationRequest], chat: bool) -> None:
         """Queues every choice of the request, or none of them."""
