@@ -59,8 +59,8 @@ def csv_rows(doc: dict) -> list[dict]:
         row["embed_ms_median"] = steps["embed"]["median"]
         for i, layer in enumerate(steps["layers"]):
             row[f"layer_{i:03d}_ms_median"] = layer["median"]
-        for stage in ("head", "sampling", "overhead"):
-            row[f"{stage}_ms_median"] = steps[stage]["median"]
+        for stage in ("native_step", "head", "sampling", "overhead"):
+            row[f"{stage}_ms_median"] = steps[stage]["median"] if stage in steps else None
         row["breakdown_sum_ratio"] = cell["breakdown_sum_ratio"]
         row["kv_cache_bytes_allocated"] = cell["kv_cache_bytes_allocated"]
         row["peak_rss_bytes"] = cell["peak_rss_bytes"]
@@ -101,8 +101,9 @@ def _pyplot():
 def _stage_labels(doc: dict) -> list[str]:
     layers = len(doc["cells"][0]["decode_step_ms"]["layers"])
     kinds = doc["artifact"].get("layer_structures") or [""] * layers
-    return ["embed", *[f"layer {i}" + (f"\n{kind}" if kind else "") for i, kind in enumerate(kinds)], "head",
-            "sampling", "overhead"]
+    native = ["native step\n(embed, layers)"] if "native_step" in doc["cells"][0]["decode_step_ms"] else []
+    return ["embed", *[f"layer {i}" + (f"\n{kind}" if kind else "") for i, kind in enumerate(kinds)], *native,
+            "head", "sampling", "overhead"]
 
 
 def plot_per_layer(doc: dict, path: Path) -> None:
@@ -114,7 +115,8 @@ def plot_per_layer(doc: dict, path: Path) -> None:
     width = 0.8 / len(cells)
     for j, cell in enumerate(cells):
         steps = cell["decode_step_ms"]
-        stages = [steps["embed"], *steps["layers"], steps["head"], steps["sampling"], steps["overhead"]]
+        native = [steps["native_step"]] if "native_step" in steps else []
+        stages = [steps["embed"], *steps["layers"], *native, steps["head"], steps["sampling"], steps["overhead"]]
         xs = [i - 0.4 + width * (j + 0.5) for i in range(len(labels))]
         medians = [s["median"] for s in stages]
         errors = [[max(s["median"] - s["p10"], 0) for s in stages], [max(s["p90"] - s["median"], 0) for s in stages]]
@@ -280,7 +282,9 @@ def format_result(doc: dict, markdown: bool = False) -> str:
     for cell in doc["cells"]:
         s = cell["decode_step_ms"]
         layers = " ".join(f"{l['median']:.1f}" for l in s["layers"])
-        lines.append(f"  {cell['batch']} x {cell['prompt_len']}: embed {s['embed']['median']:.2f} + layers [{layers}] "
+        body = (f"native step (embedding and layers in one call) {s['native_step']['median']:.2f}" if "native_step" in s
+                else f"embed {s['embed']['median']:.2f} + layers [{layers}]")
+        lines.append(f"  {cell['batch']} x {cell['prompt_len']}: {body} "
                      f"+ head {s['head']['median']:.1f} + sampling {s['sampling']['median']:.2f} + overhead "
                      f"{s['overhead']['median']:.2f} = {cell['breakdown_sum_ratio']:.0%} of the step "
                      f"{s['step']['median']:.1f}; KV cache {cell['kv_cache_bytes_allocated'] / 1e6:.1f} MB")

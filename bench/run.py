@@ -164,7 +164,7 @@ class _Ours:
             loop.decode(running)
             steps.append(time.perf_counter() - started)
             sampling.append(loop.sampling_seconds - sampled_before)
-            stages.append(dict(model.stage_seconds))  # this step's sessions: embed, layer_NNN, head
+            stages.append(dict(model.stage_seconds))  # this step's sessions: embed, layer_NNN (or native_step), head
         if any(r.error for r in running):
             raise K2Error(f"the benchmark's generation failed: {next(r.error for r in running if r.error)}")
         return {"ttft_s": ttft, "prefill_s": prefill, "step_s": steps, "sampling_s": sampling,
@@ -179,7 +179,8 @@ def _cell_result(batch: int, prompt_len: int, gen_len: int, ours: list[dict], ba
                  layers: int, bound_bytes: dict, bandwidth_gbps: float | None) -> dict:
     steps_per_run = gen_len - 1
     # per run, the mean per decode step of each stage; the medians and p90s are over the runs
-    stage_names = ["embed", *[f"layer_{i:03d}" for i in range(layers)], "head"]
+    # the native step runs the embedding and every layer in one call: one stage of its own (native_step)
+    stage_names = ["embed", *[f"layer_{i:03d}" for i in range(layers)], "native_step", "head"]
     per_run = {name: [] for name in [*stage_names, "sampling", "overhead", "step"]}
     for run in ours:
         totals = {name: sum(step.get(name, 0.0) for step in run["stages_s"]) for name in stage_names}
@@ -197,8 +198,11 @@ def _cell_result(batch: int, prompt_len: int, gen_len: int, ours: list[dict], ba
         "overhead": summarize(per_run["overhead"]),
         "step": summarize(per_run["step"]),
     }
+    if any(per_run["native_step"]):
+        breakdown["native_step"] = summarize(per_run["native_step"])
     parts = (breakdown["embed"]["median"] + sum(s["median"] for s in breakdown["layers"]) + breakdown["head"]["median"]
-             + breakdown["sampling"]["median"] + breakdown["overhead"]["median"])
+             + breakdown["sampling"]["median"] + breakdown["overhead"]["median"]
+             + breakdown.get("native_step", {"median": 0.0})["median"])
     tpot = breakdown["step"]  # time per output token: the mean decode step of each run
     bound_ms = bound_bytes["total"] / (bandwidth_gbps * 1e9) * 1e3 if bandwidth_gbps else None
     cell = {

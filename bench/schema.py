@@ -83,6 +83,8 @@ SCHEMA = {
                         "sampling": {"$ref": "#/$defs/summary"},
                         "overhead": {"$ref": "#/$defs/summary"},
                         "step": {"$ref": "#/$defs/summary"},
+                        "native_step": {"$ref": "#/$defs/summary", "description": "the native decode step: the "
+                                        "embedding and every layer in one call (its layers' own entries are 0)"},
                     },
                 },
                 "breakdown_sum_ratio": {"type": "number", "description": "sum of the stages' medians / the "

@@ -12,7 +12,7 @@ from child_env import blocked, child_env
 
 from k2deploy.bench.compare import load_result, run_compare
 from k2deploy.bench.device import describe_device, nominal_gib, slugify
-from k2deploy.bench.report import RESULT_FILE, csv_rows, write_result
+from k2deploy.bench.report import RESULT_FILE, csv_rows, format_result, write_result
 from k2deploy.bench.run import BenchOptions, run_bench
 from k2deploy.bench.schema import SCHEMA_VERSION, validate
 from k2deploy.core.errors import K2Error
@@ -229,3 +229,20 @@ def test_without_the_checkpoint_it_says_so_and_runs_without_the_baseline(tiny_ar
     assert any("deleted-checkpoint" in note and "is gone" in note for note in doc["notes"]), doc["notes"]
     with pytest.raises(K2Error, match="--baseline eager: the checkpoint .* is gone"):  # asked for by name: an error
         run_bench(BenchOptions(str(moved), batches=[1], prompt_lens=[4], baseline="eager", **FAST))
+
+
+def test_a_native_decode_step_is_one_stage_of_the_breakdown(tiny_cpu_artifact, tmp_path):
+    """The native step runs the embedding and every layer in one call: the breakdown gives it as one stage (the
+    layers' own entries 0), the stages still add up to the step, and the report and table name it."""
+    doc = run_bench(BenchOptions(str(tiny_cpu_artifact), batches=[1], prompt_lens=[4], threads=1, baseline="none",
+                                 **FAST))
+    if not doc["decode_kernels"].startswith("native"):
+        pytest.skip(f"the native step does not run here: {doc['decode_kernels']}")
+    validate(doc)
+    steps = doc["cells"][0]["decode_step_ms"]
+    assert steps["native_step"]["median"] > 0 and all(layer["median"] == 0 for layer in steps["layers"])
+    parts = [steps["embed"], *steps["layers"], steps["native_step"], steps["head"], steps["sampling"], steps["overhead"]]
+    assert sum(p["mean"] for p in parts) == pytest.approx(steps["step"]["mean"], rel=1e-9)
+    assert "native step (embedding and layers in one call)" in format_result(doc)
+    assert csv_rows(doc)[0]["native_step_ms_median"] == steps["native_step"]["median"]
+    assert write_result(doc, tmp_path)["per_layer_png"].is_file()  # with the native step's bars
