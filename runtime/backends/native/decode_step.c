@@ -228,8 +228,8 @@ static void begin_step(void) {
     if (pool.threads <= 1) { pool.active = 1; return; }
     int quiet = now() < atomic_load(&pool.quiet_until), count = 0;
     pthread_mutex_lock(&pool.lock);
-    for (int t = 0; t < pool.threads; t++)
-        if (pool.leases[t] < 0 || (quiet ? pool.held[t] : take_lease(t))) pool.place[count++] = pool.cpus[t];
+    for (int t = 0; t < pool.threads; t++)  /* while quiet, one core: the first the process holds or can take */
+        if (pool.leases[t] < 0 || ((!quiet || count == 0) && take_lease(t))) pool.place[count++] = pool.cpus[t];
     pthread_mutex_unlock(&pool.lock);
     pool.active = quiet ? 1 : MAX(count, 1);
 }
