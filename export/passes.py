@@ -20,7 +20,7 @@ Passes:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -34,7 +34,6 @@ from ..core.errors import K2Error
 from ..core.manifest import file_record
 from ..core.targets import get_target
 from ..plugins import int8
-from ..plugins.fp8 import E4M3_VALUES
 from ..plugins.int4 import EXACT, INT8_ACTIVATIONS
 
 
@@ -109,7 +108,8 @@ class Int8Weights(Pass):
         if name.startswith("mlp.experts_fc"):
             fc, part = name.removeprefix("mlp.experts_").split("_")
             block = self.experts_block(config)
-            return (_int8_part(_expert_fc(config, checkpoint, f"{prefix}mlp.experts.{e}.", fc), block,
+            whole = lambda weight: _source_rows(config, checkpoint, weight, 0, 1 << 62)  # noqa: E731
+            return (_int8_part(_expert_fc(f"{prefix}mlp.experts.{e}.", fc, whole), block,
                                part == "scale", f"{prefix}mlp.experts.{e}.{fc}")
                     for e in range(config.n_routed_experts))
         return None
@@ -145,25 +145,17 @@ def _source_rows(config: ModelConfig, checkpoint: Checkpoint, name: str, start: 
     return raw.view(np.uint8), np.repeat(scale, fp8, axis=0)[first : first + len(raw)].astype(np.float32), fp8
 
 
-def _float32(rows: SourceRows) -> np.ndarray:
-    """A weight's rows dequantised to float32 [rows, cols]."""
-    if isinstance(rows, np.ndarray):
-        return rows
-    bits, row_scales, fp8_block = rows
-    return E4M3_VALUES[bits] * np.repeat(row_scales, fp8_block, axis=1)[:, : bits.shape[1]]
-
-
 def _interleave(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """[r, ...] and [r, ...] -> [2r, ...]: first's row 0, second's row 0, first's row 1, ..."""
     return np.stack([first, second], axis=1).reshape(2 * first.shape[0], *first.shape[1:])
 
 
-def _expert_fc(config: ModelConfig, checkpoint: Checkpoint, expert: str, fc: str) -> SourceRows:
-    """fc1: gate and up rows interleaved [2f, m] (QMoE's fused SwiGLU layout); fc2: down [m, f]."""
-    whole = lambda proj: _source_rows(config, checkpoint, f"{expert}{proj}.weight", 0, 1 << 62)  # noqa: E731
+def _expert_fc(expert: str, fc: str, whole: Callable[[str], SourceRows]) -> SourceRows:
+    """fc1: gate and up rows interleaved [2f, m] (QMoE's fused SwiGLU layout); fc2: down [m, f]; whole(name) reads
+    one of the expert's weights."""
     if fc == "fc2":
-        return whole("down_proj")
-    gate, up = whole("gate_proj"), whole("up_proj")
+        return whole(f"{expert}down_proj.weight")
+    gate, up = whole(f"{expert}gate_proj.weight"), whole(f"{expert}up_proj.weight")
     if isinstance(gate, np.ndarray):
         return _interleave(gate, up)
     return _interleave(gate[0], up[0]), _interleave(gate[1], up[1]), gate[2]
@@ -203,12 +195,12 @@ class Int4Experts(Pass):
         if config.int4 is not None or not name.startswith("mlp.experts_fc"):
             return None
         fc, part = name.removeprefix("mlp.experts_").split("_")
-        return (_int4_part(_expert_fc(config, checkpoint, f"model.layers.{layer}.mlp.experts.{e}.", fc),
+        return (_int4_part(_expert_fc(f"model.layers.{layer}.mlp.experts.{e}.", fc, checkpoint.float32),
                            part == "scales") for e in range(config.n_routed_experts))
 
 
-def _int4_part(rows: SourceRows, scales: bool) -> np.ndarray:
-    packed, scale = int4.quantize(_float32(rows), INT4_GROUP)
+def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
+    packed, scale = int4.quantize(weight, INT4_GROUP)
     return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
 
 
