@@ -95,7 +95,9 @@ def _time_left(done: int, total: int | None, seconds: float) -> str:
         return ""
     left = seconds * (total - done) / done
     when = f"{left / 60:.0f} min" if left >= 90 else f"{left:.0f} s"
-    return f"; {min(done / total, 1):.0%} of the checkpoint read at {done / seconds / 1e6:.0f} MB/s, about {when} left"
+    rate = done / seconds / 1e6
+    return (f"; {min(done / total, 1):.0%} of the checkpoint read at {rate:.{0 if rate >= 10 else 2}f} MB/s, about "
+            f"{when} left")
 
 
 def cmd_export(args: argparse.Namespace) -> None:

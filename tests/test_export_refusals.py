@@ -25,6 +25,16 @@ def _nan_scale(checkpoint):
     return name
 
 
+def _nan_code(checkpoint):
+    from k2deploy.core.checkpoint.reader import Checkpoint
+
+    with Checkpoint.open(checkpoint) as opened:
+        entry = opened.entries["model.layers.1.mlp.experts.2.up_proj.weight"]
+    with open(entry.shard, "r+b") as f:
+        f.seek(entry.begin + 100)
+        f.write(b"\x7f")  # e4m3fn's NaN
+
+
 def _garbage_tokenizer(checkpoint):
     (checkpoint / "tiktoken.model").write_text("this is not base64 ranks\n")
 
@@ -36,6 +46,8 @@ CASES = {
     "out inside the checkpoint": (["--out", "{ckpt}/art"], None, "is the checkpoint folder or inside it"),
     "a NaN scale": ([], _nan_scale, "model.layers.1.self_attn.q_a_proj.weight_scale_inv holds a non-finite scale"),
     "a garbage tokenizer": ([], _garbage_tokenizer, "tiktoken.model"),
+    "a NaN FP8 code, cpu target": (["--target", "cpu"], _nan_code,
+                                   "model.layers.1.mlp.experts.2.fc1: its FP8 weight holds NaN codes"),
 }
 
 
