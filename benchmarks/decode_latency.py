@@ -122,6 +122,7 @@ def ensure_checkpoint(work: Path, preset: str, layers: int | None, overrides: li
 
 def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int] | None, target: str) -> Path:
     from k2deploy.export.exporter import ExportOptions, export_artifact
+    from k2deploy.export.passes import weight_layout
     from k2deploy.core.manifest import MANIFEST_FILE
 
     cache = TARGETS[target].default_cache
@@ -136,6 +137,7 @@ def ensure_artifact(work: Path, checkpoint: Path, config, layers: tuple[int, int
                         == hashlib.sha256(index.read_bytes()).hexdigest())
         if (same_weights and data.get("model_config") == config.to_dict()
                 and data.get("kv_cache", {}).get("format") == cache and data.get("target") == target
+                and data.get("weight_layout") == weight_layout(target)
                 and data.get("graphs", {}).get("layer_range") == expected_range):
             log(f"reusing artifact {out}")
             return out

@@ -5,7 +5,7 @@ head in one of three formats, by formula from the config (checkpoint.layout's te
           per 128x128 block, BF16 norms, router, embedding and head, a float32 correction bias
   int8    what the cpu target lowers them to (export/passes.py, int8_weights): a projection [out, in] whose input
           dim an int8 block b = int8_block(in) divides as uint8 codes plus one float32 scale per b values:
-          out x in x (1 + 4 / b) bytes; the head (BF16 in the checkpoint) too; the routed experts with the one
+          out x in x (1 + 4 / b) bytes (out rounded up to whole tiles of 64 rows, as the cpu target holds them); the head (BF16 in the checkpoint) too; the routed experts with the one
           block b = int8_block(hidden, moe_intermediate) of QMoE; kv_b_proj, with the int8 cache, as W_UK
           [h, d, c] and W_UV [h, c, v] int8 with one float32 scale per output column per head:
           h x (d x c + c x v) + 4 x h x (c + v) bytes (with another cache it stays FP8); a projection no block
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import native_tiles
 from .checkpoint import layout
 from .checkpoint.layout import BF16, F32, TensorSpec
 from .config import ModelConfig
@@ -35,14 +36,19 @@ def tensor_bytes(spec: TensorSpec) -> int:
     return spec.numel * DTYPE_BYTES[spec.dtype]
 
 
-def _int8(name: str, out_features: int, in_features: int, block: int) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.weight_int8", (out_features, in_features), U8, "proj"),
-            TensorSpec(f"{name}.weight_int8_scale", (out_features, in_features // block), F32, "scale")]
+def _tiled(rows: int) -> int:
+    """Rows as the cpu target holds them, in whole tiles of the native step (core/native_tiles.py)."""
+    return native_tiles.tiles(rows) * native_tiles.TILE
 
 
-def _int4(name: str, out_features: int, in_features: int) -> list[TensorSpec]:
-    return [TensorSpec(f"{name}.weight_packed", (out_features, -(-in_features // 2)), U8, "proj"),
-            TensorSpec(f"{name}.weight_scale", (out_features, -(-in_features // INT4_GROUP)), F32, "scale")]
+def _int8(name: str, rows: int, in_features: int, block: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{name}.weight_int8", (rows, in_features), U8, "proj"),
+            TensorSpec(f"{name}.weight_int8_scale", (rows, in_features // block), F32, "scale")]
+
+
+def _int4(name: str, rows: int, in_features: int) -> list[TensorSpec]:
+    return [TensorSpec(f"{name}.weight_packed", (rows, -(-in_features // 2)), U8, "proj"),
+            TensorSpec(f"{name}.weight_scale", (rows, -(-in_features // INT4_GROUP)), F32, "scale")]
 
 
 def _absorbed_kv_b(config: ModelConfig, name: str) -> list[TensorSpec]:
@@ -64,7 +70,9 @@ def held_tensors(config: ModelConfig, specs: list[TensorSpec], weights: str, cac
         if spec.role in ("scale", "int4_scale", "int4_shape"):
             continue
         if spec.role == "int4":  # an INT4 checkpoint's own codes, their scales widened for QMoE
-            held += _int4(spec.name.removesuffix(".weight_packed"), spec.shape[0], spec.shape[1] * 8)
+            paired = spec.name.endswith(("gate_proj.weight_packed", "up_proj.weight_packed"))
+            rows = _tiled(2 * spec.shape[0]) // 2 if paired else _tiled(spec.shape[0])
+            held += _int4(spec.name.removesuffix(".weight_packed"), rows, spec.shape[1] * 8)
             continue
         if spec.role not in ("proj", "head"):
             held.append(spec)
@@ -72,14 +80,16 @@ def held_tensors(config: ModelConfig, specs: list[TensorSpec], weights: str, cac
         name, (out_features, in_features) = spec.name.removesuffix(".weight"), spec.shape
         routed = layout.is_routed_expert(spec.name)
         block = expert_block if routed else int8_block(in_features)
+        paired = routed and name.endswith(("gate_proj", "up_proj"))  # one weight of 2 x out rows interleaved
+        rows = _tiled(2 * out_features) // 2 if paired else _tiled(out_features)
         if routed and weights == "int4":
-            held += _int4(name, out_features, in_features)
+            held += _int4(name, rows, in_features)
         elif name.endswith(".kv_b_proj"):
             held += _absorbed_kv_b(config, name) if cache_format == "int8" else [spec, *_scale(scales, spec)]
         elif block is None:
             held += [spec, *_scale(scales, spec)]
         else:
-            held += _int8(name, out_features, in_features, block)
+            held += _int8(name, rows, in_features, block)
     return held
 
 

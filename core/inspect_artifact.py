@@ -27,6 +27,7 @@ def describe_artifact(manifest: Manifest) -> dict:
         },
         "target": artifact_target(data).name,
         "weights": data.get("weights"),
+        "weight_layout": data.get("weight_layout", "rows"),
         "weight_formats": _weight_formats(data.get("weight_formats")),
         "kv_cache": kv,
         "kv_cache_bytes_per_token_per_layer": kv["bytes_per_token_per_layer"],
@@ -52,7 +53,8 @@ def format_artifact(info: dict) -> str:
         f"layers      {info['layers'][0]}:{info['layers'][1]}  "
         + ", ".join(f"{n} {kind}" for kind, n in structures.items())
         + ("" if info["complete"] else "  (no embedding or head: cannot run alone)"),
-        f"target      {info['target']}" + (f": {info['weights']}" if info["weights"] else ""),
+        f"target      {info['target']}" + (f": {info['weights']}" if info["weights"] else "")
+        + ("; held in the native step's tiles" if info["weight_layout"] == "native_tiles" else ""),
         *(f"  {group:<22}{entry['format']}: {entry['bytes']:,} bytes"
           for group, entry in (info["weight_formats"] or {}).items()),
         f"kv cache    {kv['format']}: {kv['bytes_per_token_per_layer']} bytes per token per layer, "

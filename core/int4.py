@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import ml_dtypes
 import numpy as np
 import re2
 
@@ -150,6 +149,8 @@ def dequantize(packed: np.ndarray, scale: np.ndarray, group: int) -> np.ndarray:
 def quantize(weight: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     """float32 [rows, in] -> (weight_packed int32 [rows, in / 8], weight_scale bf16 [rows, in / group]):
     symmetric round-to-nearest per group, scale = absmax / 7 rounded to bf16 first, codes clipped to -8..7."""
+    import ml_dtypes  # here, not at the top: its import takes half a second of every command's start
+
     rows, cols = weight.shape
     grouped = weight.reshape(rows, cols // group, group)
     scale = (np.abs(grouped).max(axis=-1) / LARGEST).astype(ml_dtypes.bfloat16)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
+from .file_hashes import chunk_count, file_matches
 from .json_files import check_version, read_document
 from .onnx_wire import graph_facts
 
@@ -103,21 +104,22 @@ class Manifest:
                 raise K2Error(f"{self.root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
                               f"{record['bytes']}; it was altered or truncated, re-export the artifact")
             if hashes:
-                self.check_sha256(relative, sha256_file(file))
+                self.check_read(relative, file_matches(file, record, len(os.sched_getaffinity(0))
+                                                       if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
-    def check_sha256(self, relative: str, digest: str | None) -> None:
-        """A K2Error unless `digest` (None: the file could not be read through) is file `relative`'s sha256 in the
-        manifest; once it is, the file counts as hashed."""
-        if digest != self.data["files"][relative]["sha256"]:
+    def check_read(self, relative: str, matched: bool) -> None:
+        """A K2Error unless file `relative` read through `matched` its digests in the manifest (core/file_hashes.py);
+        once it has, the file counts as hashed."""
+        if not matched:
             raise K2Error(f"{self.root}: file {relative} does not match its sha256 in the manifest; it was "
                           f"altered, re-export the artifact")
         self.unhashed.discard(relative)
 
-    def data_sha256(self, name: str) -> str | None:
-        """The sha256 graph `name`'s data file must have, where it is still unhashed (the reader checks it with
-        `check_sha256`), else None."""
+    def data_record(self, name: str) -> dict | None:
+        """The record ({bytes, sha256[, chunk_bytes, chunk_sha256]}) of graph `name`'s data file, where it is still
+        unhashed (the reader checks it as it reads it, `check_read`), else None."""
         data = self.graph_entry(name)["data"]
-        return self.data["files"][data]["sha256"] if data in self.unhashed else None
+        return self.data["files"][data] if data in self.unhashed else None
 
     def graph_files(self, names=None) -> list[str]:
         """The files (graph and external data) of graphs `names` ("embed", "head", "layer_NNN"; None: all the artifact
@@ -166,6 +168,12 @@ def _check_shape(root: Path, data: dict) -> None:
         need(isinstance(record, dict) and isinstance(record.get("bytes"), int) and not isinstance(record["bytes"], bool)
              and record["bytes"] >= 0 and isinstance(record.get("sha256"), str) and SHA256.match(record["sha256"]),
              f"files[{name!r}] must hold a byte count and a sha256")
+        if "chunk_sha256" in record:
+            step, chunks = record.get("chunk_bytes"), record["chunk_sha256"]
+            need(isinstance(step, int) and not isinstance(step, bool) and step > 0 and isinstance(chunks, list)
+                 and len(chunks) == chunk_count(record["bytes"], step)
+                 and all(isinstance(c, str) and SHA256.match(c) for c in chunks),
+                 f"files[{name!r}] must hold a sha256 for each of its chunk_bytes chunks")
     need(isinstance(data.get("model_config"), dict), "'model_config' must be an object")
     kv = data.get("kv_cache")
     need(isinstance(kv, dict) and all(k in kv for k in ("format", "latent_dim", "rope_dim", "bytes_per_token_per_layer")),

@@ -7,20 +7,22 @@ either side stops both and is raised on the caller's.
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from typing import BinaryIO
+
+from ..core.file_hashes import ChunkedSha256
 
 _DONE = object()
 
 
 class BackgroundWriter:
-    """write(data) queues bytes for `file`; finish() -> their sha256 once all are written. Use as a context: leaving it
+    """write(data) queues bytes for `file`; finish() -> their digests (core/file_hashes.py ChunkedSha256.record) once
+    all are written. Use as a context: leaving it
     by an exception stops the thread without writing what is still queued."""
 
     def __init__(self, file: BinaryIO, depth: int = 2):
-        self.file, self.digest = file, hashlib.sha256()
+        self.file, self.digest = file, ChunkedSha256()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._stop = threading.Event()
@@ -42,12 +44,12 @@ class BackgroundWriter:
             raise self._error
         self._queue.put(data)
 
-    def finish(self) -> str:
+    def finish(self) -> dict:
         self._queue.put(_DONE)
         self._thread.join()
         if self._error is not None:
             raise self._error
-        return self.digest.hexdigest()
+        return self.digest.record()
 
     def __enter__(self) -> "BackgroundWriter":
         return self

@@ -32,6 +32,7 @@ from ..core.cache_format import NAMES as CACHE_NAMES
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.checkpoint import layout
 from ..core.checkpoint.reader import Checkpoint
+from ..core import native_tiles
 from ..core.config import ModelConfig
 from ..core.errors import K2Error
 from ..core.placement import format_bytes
@@ -41,7 +42,7 @@ from ..core.targets import default_target, get_target
 from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
-from .passes import WEIGHT_CHOICES, Lowering
+from .passes import WEIGHT_CHOICES, Lowering, tiled_pieces, weight_layout
 from .weight_formats import weight_formats
 from .onnx_graph import TracingError, io_spec, trace, write_graph
 
@@ -200,6 +201,9 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         model, derived = traces[job.kind]
 
         def pieces(name: str, job=job, derived=derived):
+            if name.endswith(native_tiles.SUFFIX):
+                plain = name.removesuffix(native_tiles.SUFFIX)
+                return tiled_pieces(plain, pieces(plain), stack=plain.startswith("mlp.experts_"))
             if name in derived:
                 return [derived[name]]
             computed = gm.computed_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
@@ -359,6 +363,7 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "kv_cache": CacheFormat.for_config(config, options.kv_cache).description(),
         "target": options.target,
         "weights": get_target(options.target).weights,
+        "weight_layout": weight_layout(options.target),
         "weight_formats": weight_formats([out / GRAPH_DIR / f"{job.stem}.onnx" for job in jobs], config,
                                          options.target, options.weights),
         "opset": options.opset,

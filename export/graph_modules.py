@@ -32,13 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core.cache_format import CODINGS, CacheArray, CacheFormat
-from ..core import int4
+from ..core import int4, native_tiles
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
 from ..plugins import mla
 from ..plugins.fp8 import E4M3_VALUES, dequantize
 from . import model
-from .passes import Lowering
+from .passes import Lowering, untiled, untiled_scales
 from .rope import inverse_frequencies
 
 
@@ -256,14 +256,16 @@ class ExportMoE(nn.Module):
         group = c.int4.group if c.int4 is not None else lowering.int4_group()
         self.int4_accuracy = lowering.int4_accuracy() if group else None
         self.int8_block = lowering.experts_block(c) if not group else None
+        self.tiled = lowering.native_tiles()  # held in the native step's tiles (core/native_tiles.py)
+        self.rows = {"fc1": 2 * f, "fc2": m}
         if group:  # 4-bit codes for QMoE (plugins/int4.py): the checkpoint's, or FP8 re-quantised
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
-                self.register_buffer(f"experts_{fc}_codes", torch.empty(e, rows, cols // 2, dtype=torch.uint8))
-                self.register_buffer(f"experts_{fc}_scales", torch.empty(e, rows, cols // group))
+                self._codes(f"experts_{fc}_codes", e, rows, cols // 2, group)
+                self._codes(f"experts_{fc}_scales", e, rows, cols // group)
         elif self.int8_block:
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
-                self.register_buffer(f"experts_{fc}_weight", torch.empty(e, rows, cols, dtype=torch.uint8))
-                self.register_buffer(f"experts_{fc}_scale", torch.empty(e, rows, cols // self.int8_block))
+                self._codes(f"experts_{fc}_weight", e, rows, cols, self.int8_block)
+                self._codes(f"experts_{fc}_scale", e, rows, cols // self.int8_block)
         else:
             for proj, (rows, cols) in {"gate_proj": (f, m), "up_proj": (f, m), "down_proj": (m, f)}.items():
                 self.register_buffer(f"experts_{proj}_weight", torch.empty(e, rows, cols, dtype=torch.uint8))
@@ -271,6 +273,25 @@ class ExportMoE(nn.Module):
                                      torch.empty(e, -(-rows // self.block), -(-cols // self.block)))
         self.shared_experts = (model.MLP(m, f * c.n_shared_experts, lowered_linear(lowering, c))
                                if c.n_shared_experts else None)
+
+    def _codes(self, name: str, e: int, rows: int, width: int, block: int | None = None) -> None:
+        """A stack's codes (block: their block, `width` bytes a row) or block scales ([e, rows, width] float32),
+        in tiles where the target holds them so."""
+        if not self.tiled:
+            self.register_buffer(name, torch.empty(e, rows, width, dtype=torch.uint8 if block else torch.float32))
+        elif block:
+            self.register_buffer(name + native_tiles.SUFFIX, torch.empty(native_tiles.codes_shape((e,), rows, width),
+                                                                         dtype=torch.uint8))
+        else:
+            self.register_buffer(name + native_tiles.SUFFIX, torch.empty(native_tiles.scales_shape((e,), rows, width)))
+
+    def _stack(self, fc: str, part: str) -> torch.Tensor:
+        """experts_{fc}_{part} [e, rows, width] as the op takes it (untiled where held in tiles)."""
+        name = f"experts_{fc}_{part}"
+        if not self.tiled:
+            return getattr(self, name)
+        held = getattr(self, name + native_tiles.SUFFIX)
+        return (untiled_scales if part.startswith("scale") else untiled)(held, self.rows[fc])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -281,12 +302,12 @@ class ExportMoE(nn.Module):
             c.topk_group, c.norm_topk_prob, c.routed_scaling_factor)
         if self.int4_accuracy is not None:
             out = torch.ops.k2deploy.moe_experts_int4(
-                tokens, expert_ids, route_weights, self.experts_fc1_codes, self.experts_fc1_scales,
-                self.experts_fc2_codes, self.experts_fc2_scales, self.int4_accuracy)
+                tokens, expert_ids, route_weights, self._stack("fc1", "codes"), self._stack("fc1", "scales"),
+                self._stack("fc2", "codes"), self._stack("fc2", "scales"), self.int4_accuracy)
         elif self.int8_block:
             out = torch.ops.k2deploy.moe_experts_int8(
-                tokens, expert_ids, route_weights, self.experts_fc1_weight, self.experts_fc1_scale,
-                self.experts_fc2_weight, self.experts_fc2_scale)
+                tokens, expert_ids, route_weights, self._stack("fc1", "weight"), self._stack("fc1", "scale"),
+                self._stack("fc2", "weight"), self._stack("fc2", "scale"))
         else:
             out = torch.ops.k2deploy.moe_experts(
                 tokens, expert_ids, route_weights, self.experts_gate_proj_weight, self.experts_gate_proj_scale,

@@ -62,12 +62,13 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
     exception, Ctrl-C included, removes the temporary files.
 
     initializer_bytes(name) gives the pieces whose concatenation is that initializer's data.
-    Returns each written file's name -> {bytes, sha256}; the data is hashed as it is written, not read back.
+    Returns each written file's name -> {bytes, sha256}, the data file's with the sha256 of each of its chunks
+    (core/file_hashes.py); the data is hashed as it is written, not read back.
     """
     data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
     data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"
     try:
-        data_bytes, data_digest = _write_data(model, directory, data_name, data_partial, initializer_bytes, on_bytes)
+        data_bytes, data_digests = _write_data(model, directory, data_name, data_partial, initializer_bytes, on_bytes)
         onnx.save(_graph_proto(model, functions, stem), graph_partial)
         os.replace(data_partial, directory / data_name)
         os.replace(graph_partial, directory / graph_name)
@@ -77,15 +78,15 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
         raise
     return {
         graph_name: {"bytes": (directory / graph_name).stat().st_size, "sha256": sha256_file(directory / graph_name)},
-        data_name: {"bytes": data_bytes, "sha256": data_digest},
+        data_name: {"bytes": data_bytes, **data_digests},
     }
 
 
 def _write_data(model: ir.Model, directory: Path, data_name: str, path: Path,
                 initializer_bytes: Callable[[str], Iterable[np.ndarray]],
-                on_bytes: Callable[[int], None]) -> tuple[int, str]:
+                on_bytes: Callable[[int], None]) -> tuple[int, dict]:
     """Streams every initializer into `path`, aligned, pointing the model's initializers at `data_name` in
-    `directory`; -> (bytes written, their sha256)."""
+    `directory`; -> (bytes written, their digests)."""
     offset = 0
     with open(path, "wb") as f, BackgroundWriter(f) as sink:  # written and hashed while the next piece is made
         for name, value in model.graph.initializers.items():
@@ -104,8 +105,8 @@ def _write_data(model: ir.Model, directory: Path, data_name: str, path: Path,
             value.const_value = ir.ExternalTensor(data_name, offset, length, value.dtype, shape=value.shape,
                                                   name=name, base_dir=directory)
             offset += length
-        digest = sink.finish()
-    return offset, digest
+        digests = sink.finish()
+    return offset, digests
 
 
 def _graph_proto(model: ir.Model, functions: list[onnx.FunctionProto], stem: str) -> onnx.ModelProto:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core import int4
+from ..core import int4, native_tiles
 from ..core.quant_blocks import INT4_GROUP
 from ..core.checkpoint.reader import Checkpoint
 from ..core.config import ModelConfig
@@ -39,6 +39,10 @@ from ..plugins.int4 import EXACT, INT8_ACTIVATIONS
 
 class Pass:
     name = ""
+
+    def native_tiles(self) -> bool:
+        """Whether int8 and 4-bit weights are held in the native step's tiles (core/native_tiles.py)."""
+        return False
 
     def linear(self, in_features: int, out_features: int) -> nn.Module | None:
         return None
@@ -64,16 +68,36 @@ class Pass:
 
 # -- int8_weights ------------------------------------------------------------------------------------
 
+def untiled(tiled: torch.Tensor, rows: int) -> torch.Tensor:
+    """Codes held in tiles back in rows (core/native_tiles.py): [..., tiles, groups, TILE, 4] -> [..., rows, 4 groups];
+    a Transpose, Reshape and Slice of initializers, which ONNX Runtime folds at load."""
+    *lead, count, groups, tile, four = tiled.shape
+    return tiled.transpose(-3, -2).reshape(*lead, count * tile, groups * four)[..., :rows, :]
+
+
+def untiled_scales(tiled: torch.Tensor, rows: int) -> torch.Tensor:
+    """Block scales held in tiles back in rows: [..., tiles, blocks, TILE] -> [..., rows, blocks]."""
+    *lead, count, blocks, tile = tiled.shape
+    return tiled.transpose(-2, -1).reshape(*lead, count * tile, blocks)[..., :rows, :]
+
+
 class Int8Linear(nn.Module):
-    """y = x W^T with W kept as int8 blocks along the input dim (see plugins/int8.py)."""
+    """y = x W^T with W kept as int8 blocks along the input dim (see plugins/int8.py), in the native step's tiles
+    (core/native_tiles.py): codes [tiles(out), in / 4, TILE, 4], scales [tiles(out), in / block, TILE]."""
 
     def __init__(self, in_features: int, out_features: int, block: int):
         super().__init__()
-        self.register_buffer("weight_int8", torch.empty(out_features, in_features // block, block, dtype=torch.uint8))
-        self.register_buffer("weight_int8_scale", torch.empty(out_features, in_features // block))
+        self.shape = out_features, in_features // block, block
+        self.register_buffer("weight_int8" + native_tiles.SUFFIX, torch.empty(
+            native_tiles.codes_shape((), out_features, in_features), dtype=torch.uint8))
+        self.register_buffer("weight_int8_scale" + native_tiles.SUFFIX, torch.empty(
+            native_tiles.scales_shape((), out_features, in_features // block)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.k2deploy.linear_int8(x, self.weight_int8, self.weight_int8_scale)
+        rows = self.shape[0]
+        weight = untiled(getattr(self, "weight_int8" + native_tiles.SUFFIX), rows).reshape(self.shape)
+        scale = untiled_scales(getattr(self, "weight_int8_scale" + native_tiles.SUFFIX), rows)
+        return torch.ops.k2deploy.linear_int8(x, weight, scale)
 
 
 ROWS_PER_PIECE = 1024  # rows re-quantised at a time: a real-size linear never sits in memory as float32
@@ -84,6 +108,9 @@ class Int8Weights(Pass):
     interleaved, fc2: down, for QMoE) where a block divides hidden and expert width."""
 
     name = "int8_weights"
+
+    def native_tiles(self) -> bool:
+        return True
 
     def linear(self, in_features: int, out_features: int) -> nn.Module | None:
         block = int8.int8_block(in_features)
@@ -204,7 +231,28 @@ def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
     return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
 
 
+def tiled_pieces(name: str, pieces: Iterable[np.ndarray], stack: bool) -> Iterable[np.ndarray]:
+    """The pieces of a plain initializer `name` in the native step's tiles: codes (uint8) or block scales (`name`
+    ends in scale or scales). stack: each piece is one weight of a stack (the routed experts), tiled on its own;
+    else the pieces are one weight's rows in order, every piece but the last whole tiles."""
+    scales = name.endswith(("scale", "scales"))
+    ragged = None
+    for piece in pieces:
+        if ragged is not None and not stack:
+            raise ValueError(f"initializer {name}: a piece of {ragged} rows is not whole tiles and more follow")
+        rows = piece.reshape(len(piece), -1)
+        if len(rows) % native_tiles.TILE:
+            ragged = len(rows)
+        yield native_tiles.tile_scales(rows) if scales else native_tiles.tile_codes(rows)
+
+
 PASSES = {p.name: p for p in (Int8Weights(), TensorrtPlugins(), Int4Experts())}
+
+
+def weight_layout(target: str) -> str:
+    """The manifest's `weight_layout`: native_tiles where the target's passes hold the int8 and 4-bit weights in the
+    native step's tiles (core/native_tiles.py), else rows."""
+    return "native_tiles" if Lowering(target).native_tiles() else "rows"
 
 
 class Lowering:
@@ -226,6 +274,9 @@ class Lowering:
 
     def int4_group(self) -> int | None:
         return next((g for p in self.passes if (g := p.int4_group()) is not None), None)
+
+    def native_tiles(self) -> bool:
+        return any(p.native_tiles() for p in self.passes)
 
     def pieces(self, config, checkpoint, kind, layer, name) -> Iterable[np.ndarray] | None:
         return next((x for p in self.passes if (x := p.pieces(config, checkpoint, kind, layer, name)) is not None),

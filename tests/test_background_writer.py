@@ -6,18 +6,27 @@ import io
 
 import pytest
 
+from k2deploy.core import file_hashes
 from k2deploy.export.background_writer import BackgroundWriter
 
 
-def test_bytes_land_in_order_and_the_hash_is_theirs():
+def test_bytes_land_in_order_and_the_hashes_are_theirs(monkeypatch):
+    monkeypatch.setattr(file_hashes, "CHUNK_BYTES", 4096)  # pieces straddle the chunks' ends
     pieces = [bytes([i]) * (1000 + i) for i in range(50)]
     out = io.BytesIO()
     with BackgroundWriter(out) as sink:
         for piece in pieces:
             sink.write(memoryview(piece))
-        digest = sink.finish()
-    assert out.getvalue() == b"".join(pieces)
-    assert digest == hashlib.sha256(b"".join(pieces)).hexdigest()
+        record = sink.finish()
+    whole = b"".join(pieces)
+    assert out.getvalue() == whole
+    assert record["sha256"] == hashlib.sha256(whole).hexdigest() and record["chunk_bytes"] == 4096
+    assert record["chunk_sha256"] == [hashlib.sha256(whole[at:at + 4096]).hexdigest()
+                                      for at in range(0, len(whole), 4096)]
+    read = lambda offset, length: whole[offset:offset + length]  # noqa: E731
+    assert file_hashes.matches({"bytes": len(whole), **record}, read, threads=2)
+    damaged = whole[:5000] + b"\xff" + whole[5001:]
+    assert not file_hashes.matches({"bytes": len(whole), **record}, lambda o, n: damaged[o:o + n], threads=2)
 
 
 class _FullDisk(io.RawIOBase):

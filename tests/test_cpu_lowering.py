@@ -11,6 +11,7 @@ import pytest
 from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import MANIFEST_FILE, load_manifest
+from k2deploy.core import native_tiles
 
 torch = pytest.importorskip("torch")
 
@@ -51,7 +52,23 @@ def test_cpu_artifact_runs_int8_kernels_and_keeps_no_float_weights(tiny_cpu_arti
     assert {t.name: t.data_type for t in layer.graph.initializer}["self_attn.kv_b_proj.w_uk_int8"] == onnx.TensorProto.UINT8
     head = onnx.load(str(tiny_cpu_artifact / "graphs" / "head.onnx"), load_external_data=False)
     assert ("com.microsoft", "MatMulNBits") in [(n.domain, n.op_type) for n in head.graph.node]
-    assert {t.name: t.data_type for t in head.graph.initializer}["lm_head.weight_int8"] == onnx.TensorProto.UINT8
+
+
+def test_the_cpu_artifact_holds_the_int8_weights_in_the_native_steps_tiles(tiny_checkpoint, tiny_cpu_artifact):
+    """The head's codes and scales, taken back out of their tiles (core/native_tiles.py), are the int8 blocks of the
+    checkpoint's head; the graph itself gives them back to MatMulNBits in rows (the graphs' logits are checked
+    against the reference elsewhere)."""
+    held = {t.name: t for t in onnx.load(str(tiny_cpu_artifact / "graphs" / "head.onnx")).graph.initializer}
+    assert "lm_head.weight_int8" not in held
+    weight = Checkpoint.open(tiny_checkpoint).float32("lm_head.weight")
+    codes, scales = int8.quantize_rows(weight, int8.int8_block(weight.shape[1]))
+    tiled = onnx.numpy_helper.to_array(held["lm_head.weight_int8" + native_tiles.SUFFIX])
+    tiled_scales = onnx.numpy_helper.to_array(held["lm_head.weight_int8_scale" + native_tiles.SUFFIX])
+    rows = len(weight)
+    assert tiled.shape == native_tiles.codes_shape((), rows, weight.shape[1])
+    assert np.array_equal(native_tiles.untile_codes(tiled, rows), codes.reshape(rows, -1))
+    assert np.array_equal(native_tiles.untile_scales(tiled_scales, rows), scales)
+    assert np.array_equal(native_tiles.tile_codes(codes.reshape(rows, -1)), tiled)
 
 
 def test_requantised_weights_are_within_half_a_step_of_the_fp8_values(tiny_checkpoint):

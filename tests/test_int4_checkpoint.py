@@ -11,7 +11,7 @@ import torch
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
 from compressed_tensors.utils.match import match_name
 
-from k2deploy.core import int4
+from k2deploy.core import int4, native_tiles
 from k2deploy.core.checkpoint import layout
 from k2deploy.core.checkpoint.presets import K2_THINKING_INT4, SHARD_BYTES, preset_config
 from k2deploy.core.checkpoint.reader import Checkpoint
@@ -142,17 +142,24 @@ def test_cpu_lowering_agreement_on_the_int4_checkpoint(int4_reference, int4_arti
     assert result["argmax_agreement"] >= 0.9 and result["mean_abs_logit_error"] < 0.15
 
 
-def _initializer(artifact, stem: str, name: str) -> np.ndarray:
+def _initializer(artifact, stem: str, name: str, rows: int) -> np.ndarray:
+    """A stack of `rows`-row weights of the graph as rows, taken back out of the native step's tiles where the
+    target holds it so (cpu)."""
     graph = onnx.load(str(artifact / "graphs" / f"{stem}.onnx"))
-    return onnx.numpy_helper.to_array(next(t for t in graph.graph.initializer if t.name == name))
+    held = {t.name: t for t in graph.graph.initializer}
+    if name in held:
+        return onnx.numpy_helper.to_array(held[name])
+    tiled = onnx.numpy_helper.to_array(held[name + native_tiles.SUFFIX])
+    return (native_tiles.untile_scales if name.endswith("scales") else native_tiles.untile_codes)(tiled, rows)
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_each_experts_codes_in_the_artifact_are_the_checkpoints(int4_checkpoint, int4_artifacts, target):
     checkpoint = Checkpoint.open(int4_checkpoint)
-    fc1 = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc1_codes")  # [e, 2f, m / 2]
-    fc2 = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc2_codes")  # [e, m, f / 2]
-    scales = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc1_scales")
+    c = checkpoint.config
+    fc1 = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc1_codes", 2 * c.moe_intermediate_size)
+    fc2 = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc2_codes", c.hidden_size)  # [e, m, f / 2]
+    scales = _initializer(int4_artifacts[target], "layer_001", "mlp.experts_fc1_scales", 2 * c.moe_intermediate_size)
     for expert in range(checkpoint.config.n_routed_experts):
         words = {p: checkpoint.raw(EXPERT.format(expert, f"{p}.weight_packed")) for p in ("gate_proj", "up_proj",
                                                                                         "down_proj")}
@@ -298,8 +305,9 @@ def test_export_weights_int4_requantises_an_fp8_checkpoints_experts(tiny_checkpo
     manifest = json.loads((tmp_path / "int4" / "manifest.json").read_text())
     assert manifest["weight_formats"]["routed experts"]["format"].startswith("int4 re-quantised")
     generator = Generator(OrtModel(load_manifest(tmp_path / "int4")))
-    codes = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_codes")
-    scales = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_scales")
+    m = preset_config("tiny").hidden_size
+    codes = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_codes", m)
+    scales = _initializer(tmp_path / "int4", "layer_001", "mlp.experts_fc2_scales", m)
     fp8_down = Checkpoint.open(tiny_checkpoint).float32(EXPERT.format(5, "down_proj.weight"))
     words = np.ascontiguousarray(codes[5]).view("<i4")
     requantised = int4.dequantize(words, scales[5], 32)

@@ -251,6 +251,13 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
     case = "within the margin"
     (tmp_path / decode_choice.CHOICES).unlink()
     assert isinstance(load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1), NativeModel)
+    case = "slower"  # but the graphs would not fit (a real-size MoE layer on a 24 GB host): nothing is timed
+    (tmp_path / decode_choice.CHOICES).unlink()
+    need = decode_choice.graphs_memory(load_manifest(tiny_cpu_artifact))
+    monkeypatch.setattr(decode_choice, "available_memory", lambda: need - 1)
+    model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
+    assert isinstance(model, NativeModel) and "the graphs would need about" in model.decode_kernels
+    assert timed == [1, 1, 1] and not (tmp_path / decode_choice.CHOICES).exists()
 
 
 def test_the_first_layer_is_timed_both_ways(tiny_cpu_artifact):
@@ -286,7 +293,7 @@ def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
 def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
     monkeypatch.setattr("k2deploy.runtime.backends.native_decode.available_memory", lambda: 1 << 20)
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto")
-    assert not isinstance(model, NativeModel) and "into memory of its own" in model.decode_kernels
+    assert not isinstance(model, NativeModel) and "runs on them in memory" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
 
 
@@ -307,7 +314,7 @@ def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_ar
 
 
 def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_artifact):
-    weights = GraphWeights(load_manifest(tiny_cpu_artifact), "layer_000", native_build.library())
+    weights = GraphWeights(load_manifest(tiny_cpu_artifact), "layer_000")
     with pytest.raises(NativeUnavailable, match="input_layernorm.weight is"):
         weights.floats("input_layernorm.weight", (7,))
     with pytest.raises(NativeUnavailable, match="missing"):
@@ -315,10 +322,10 @@ def test_a_graph_whose_weights_are_not_the_expected_shape_is_refused(tiny_cpu_ar
 
 
 @pytest.mark.parametrize("graph", ["layer_001", "head", "embed"])
-def test_the_native_load_hashes_each_weights_file_in_the_read_that_lays_it_out(tiny_cpu_artifact, tmp_path, graph):
+def test_the_native_load_hashes_each_weights_file_in_the_read_that_maps_it(tiny_cpu_artifact, tmp_path, graph):
     """With the graphs left unhashed at load (as generate and serve load an artifact), the native step checks
-    every data file it reads against the manifest's sha256 in the same read: an altered byte of one file is
-    refused by name, and an intact artifact leaves no file of the model unhashed."""
+    every data file it maps against the manifest's chunk digests in the read that brings it into memory: an
+    altered byte of one file is refused by name, and an intact artifact leaves no file of the model unhashed."""
     _native_or_skip(tiny_cpu_artifact)
     intact = load_manifest(tiny_cpu_artifact, hash_graphs=False)
     assert intact.unhashed == set(intact.graph_files())

@@ -14,18 +14,28 @@ from k2deploy.core.placement import parse_devices
 from k2deploy.core.plan import plan
 
 
-def int8(out_features: int, in_features: int, block: int) -> int:
-    """uint8 codes plus one float32 scale per block along the input dim."""
-    return out_features * in_features + out_features * (in_features // block) * 4
+def tiled(rows: int) -> int:
+    """Rows in whole tiles of 64, as the cpu target holds them (the rows past the weight's zero)."""
+    return -(-rows // 64) * 64
 
 
-def int4(out_features: int, in_features: int) -> int:
+def int8(out_features: int, in_features: int, block: int, rows=tiled) -> int:
+    """uint8 codes plus one float32 scale per block along the input dim, of rows(out_features) rows."""
+    return rows(out_features) * in_features + rows(out_features) * (in_features // block) * 4
+
+
+def int4(out_features: int, in_features: int, rows=tiled) -> int:
     """Two 4-bit codes per byte plus one float32 scale (what QMoE takes) per 32 values along the input dim."""
-    return out_features * in_features // 2 + out_features * (in_features // 32) * 4
+    return rows(out_features) * in_features // 2 + rows(out_features) * (in_features // 32) * 4
+
+
+def paired(rows: int) -> int:
+    """A routed expert's gate or up rows: the two interleaved are one weight of 2 x rows, tiled as one."""
+    return tiled(2 * rows) // 2
 
 
 # tiny: hidden 192, q_lora 96, kv_lora 64, 4 heads of nope 32 + rope 16 and v 32, dense 320, experts 16 x 96 (top-4),
-# one shared expert, vocab 1024. Blocks: the largest of 128, 64, 32, 16 dividing the input dim (192 -> 64,
+# one shared expert, vocab 1024; every int8 or 4-bit weight's rows in whole tiles of 64. Blocks: the largest of 128, 64, 32, 16 dividing the input dim (192 -> 64,
 # 96 -> 32, 128 -> 128, 320 -> 64); the routed experts one block dividing 192 and 96 -> 32.
 NORMS = (192 + 96 + 64 + 192) * 2
 ATTENTION_INT8 = int8(96, 192, 64) + int8(192, 96, 32) + int8(80, 192, 64) + int8(192, 128, 128)
@@ -33,8 +43,8 @@ KV_B_FP8 = 256 * 64 + 2 * 1 * 4  # kv_b_proj [4 x (32 + 32), 64] stays FP8 with 
 DENSE_INT8 = 2 * int8(320, 192, 64) + int8(192, 320, 64)
 ROUTER = 16 * 192 * 2 + 16 * 4
 SHARED_INT8 = 2 * int8(96, 192, 64) + int8(192, 96, 32)
-EXPERT_INT8 = 2 * int8(96, 192, 32) + int8(192, 96, 32)
-EXPERT_INT4 = 2 * int4(96, 192) + int4(192, 96)
+EXPERT_INT8 = 2 * int8(96, 192, 32, paired) + int8(192, 96, 32)
+EXPERT_INT4 = 2 * int4(96, 192, paired) + int4(192, 96)
 EMBEDDING = 1024 * 192 * 2
 HEAD_INT8 = 192 * 2 + int8(1024, 192, 64)
 

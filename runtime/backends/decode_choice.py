@@ -7,9 +7,11 @@ At the first use of an artifact with a thread count on a host, the artifact's ow
 decode positions through its graph (`time_graph_layer`, the graph then let go) and through the native step
 (`time_native_layer`), and the native step runs the model unless the graph measured faster by more than
 NATIVE_MARGIN: closer than that the two are one speed to the measurement's precision (a real-size dense layer
-measured 14.5 against 13.5 ms one start, 11.1 against 15.2 another), and the native step holds each weight once
-where the graphs hold their prepacked copies too. Where the graphs win, the native step's weights are let go
-before the graphs load: the process never holds both. The figures are kept in the native
+measured 14.5 against 13.5 ms one start, 11.1 against 15.2 another, 13.1 against 9.2 a third), and the native step
+holds each weight once where the graphs hold their prepacked copies too. Where the graphs would not fit the
+available memory (`graphs_memory`: a real-size MoE layer's graph holds three copies of its weights while it loads,
+where the native step maps one) nothing is timed and the native step runs the model. Where the graphs win, the native step's weights are let go before the graphs
+load: the process never holds both. The figures are kept in the native
 build's cache folder (`choices.json`, keyed by the library's build, the artifact's digest and the threads), so a
 later start reads them instead; a file that does not parse, or holds anything but positive times, is measured
 again and rewritten (written to a temporary name and renamed into place).
@@ -28,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ...core.errors import K2Error
+from ...core.host_memory import available_memory
 from ...core.manifest import Manifest
 from ..cache.slots import Cache, pages_for
 from .host_pages import LatentPages
@@ -59,8 +62,11 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
         threads = process_threads(threads)
         key = f"{Path(library()._name).name}:{manifest.digest}:{threads}"
         kept = _figures(_read(cache_dir() / CHOICES).get(key)) if decode == "auto" else None
+        need, available = graphs_memory(manifest), available_memory()
+        unfit = None if available is None or need <= available else (
+            f"the graphs would need about {need / 2**30:.1f} GiB to load and {available / 2**30:.1f} GiB is available")
         graphs_ms = None
-        if decode == "auto" and kept is None:  # the graph timed and let go first: the process never holds both
+        if decode == "auto" and kept is None and unfit is None:  # the graph timed and let go first: never both held
             graphs_ms = time_graph_layer(OrtModel(manifest, provider, threads, layers=range(1), embed=False))
         native = NativeDecoder(manifest, threads, manifest.config.max_position_embeddings)
     except NativeUnavailable as exc:
@@ -68,7 +74,9 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
             raise K2Error(f"the native decode step cannot run: {exc}; use --decode onnx") from None
         return OrtModel(manifest, provider, threads, decode_kernels=f"onnx (native: {exc})")
     why = "asked for"
-    if decode == "auto":
+    if decode == "auto" and unfit is not None:
+        why = unfit  # nothing to time against
+    elif decode == "auto":
         native_ms, graphs_ms = kept or (time_native_layer(native, manifest), graphs_ms)
         if kept is None:
             _keep(key, native_ms, graphs_ms)
@@ -81,6 +89,13 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
                                                                         f"the graphs here: {why})")
     yield_to_native_decode()
     return NativeModel(manifest, native, f"native ({native.isa}; {why})")
+
+
+def graphs_memory(manifest: Manifest) -> int:
+    """Bytes the graphs of the whole model take to load, about: every graph's weights, and while the largest loads
+    two more copies of it (ONNX Runtime reads its initializers, folds the tiles back into rows and prepacks)."""
+    sizes = [manifest.data["files"][name]["bytes"] for name in manifest.graph_files()]
+    return sum(sizes) + 2 * max(sizes, default=0)
 
 
 def _timed(manifest: Manifest, run) -> float:

@@ -186,7 +186,6 @@ def library(isa: str | None = None) -> ctypes.CDLL:
                       "k2_decode_layers": ([pointer, number, number, number, pointer, pointer, number, pointer, pointer,
                                             pointer], number),
                       "k2_logits": ([pointer, number, pointer, pointer, pointer], None),
-                      "k2_lay_out": ([pointer, pointer, number, number, number, number, pointer, pointer], None),
                       "k2_contract": ([number], ctypes.c_long), "k2_isa": ([], ctypes.c_char_p)}
         for name, (arguments, result) in signatures.items():
             try:

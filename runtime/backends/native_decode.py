@@ -2,8 +2,8 @@
 
 A decode step is a chain of matrix-vector products over small matrices: ONNX Runtime spends more time between
 and around them than in them, and does not split them over threads well (docs/performance.md "Threads"). The native step runs
-the same maths over the artifact's own weights (its .data files' codes and scales, nothing re-quantised, each
-matrix's rows laid out in tiles, `tiled`), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
+the same maths over the artifact's own weights (its .data files' codes and scales, nothing re-quantised, every
+matrix held in the step's tiles by the export: core/native_tiles.py), each product's rows split over a pool of spinning threads, and writes each layer's new latent entry into its page, as
 the layer graph's outputs would be stored. A batch of sequences (the server's decode step) takes one step: each
 weight row is read once and multiplied by every sequence's input, the routed experts that any sequence chose are
 read once for all that chose them, and each sequence's result is the one it gets alone. A prompt is such a batch
@@ -23,21 +23,22 @@ measured equal to 1e-7 with 8 bits, 4e-7 with 4). Layer by layer its output is t
 (tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
 near-tied expert flips now and then.
 
-The weights are held once: the layer and head files are read one at a time into memory of the step's own, laid
-out in tiles and let go (the embedding is mapped: a step reads one row of it); ONNX Runtime's sessions are not
-loaded beside them. With too little memory for that, `auto` keeps to the graphs.
+The weights are held once: each data file is mapped and the step reads its tiles in place (the page cache's pages
+are the process's weights; only the norms, widened to float32, and the absorbed W_UK and W_UV, four rows
+interleaved, 0.05% of K2's bytes, are copies), after one read that hashes each file's chunks on every core against
+the manifest (runtime/backends/mapped_file.py); ONNX Runtime's sessions are not loaded beside them. With too little
+memory for the files, `auto` keeps to the graphs.
 """
 
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
+from ...core import native_tiles
 from ...core.cache_format import PAGE_SIZE
 from ...core.config import yarn_mscale
 from ...core.errors import K2Error
@@ -94,70 +95,26 @@ def four_rows(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))
 
 
-def _huge(nbytes: int) -> np.ndarray:
-    """Zeroed anonymous memory advised to use huge pages, as bytes: streaming a product's rows then crosses few page
-    boundaries (the hardware prefetchers stop at each one). Measured on `small`'s head, 32 MiB: 1.47 ms against 2.0
-    through a mapping of the file's 4 KiB page-cache pages."""
-    if not hasattr(mmap, "MAP_ANONYMOUS"):
-        return np.zeros(nbytes, np.uint8)
-    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
-
-
-def tiled(lib: ctypes.CDLL, codes: np.ndarray, scales: np.ndarray, tile: int, bits: int = 8,
-          done=lambda source: None) -> tuple[np.ndarray, np.ndarray]:
-    """A matrix (or a stack of them) as decode_step.c's K2Lin takes it, laid out by its k2_lay_out: codes [..., n, k]
-    uint8 (bits 8) or [..., n, k / 2] two 4-bit codes a byte (bits 4), block scales [..., n, k / block] float32 ->
-    codes [..., tiles, k / 4, tile, 4] (bits 8: each tile's rows side by side, four inputs at a time, so that one int8
-    dot instruction takes 16 rows and no sum crosses lanes; bits 4: [..., tiles, k / 8, tile, 4], inputs 8 i .. 8 i +
-    3 of each row in the low nibbles, 8 i + 4 .. 8 i + 7 in the high ones) and scales [..., tiles, k / block, tile],
-    in memory of its own (`_huge`), one matrix of a stack at a time; done(source) is told each matrix's codes and
-    scales once they are laid out."""
-    *lead, n, width = codes.shape
-    blocks = scales.shape[-1]
-    count, matrices = -(-n // tile), int(np.prod(lead, dtype=np.int64))
-    laid_codes = _huge(matrices * count * tile * width).reshape(matrices, -1)
-    laid_scales = _huge(matrices * count * tile * blocks * 4).view(np.float32).reshape(matrices, -1)
-    flat_codes, flat_scales = codes.reshape(-1, n, width), scales.reshape(-1, n, blocks)
-
-    def lay_out(i: int) -> None:  # ctypes lets go of the GIL: the matrices of a stack are laid out on every core
-        source, source_scales = np.ascontiguousarray(flat_codes[i]), np.ascontiguousarray(flat_scales[i], np.float32)
-        lib.k2_lay_out(_address(source), _address(source_scales), n, width * 8 // bits, blocks, bits,
-                       _address(laid_codes[i]), _address(laid_scales[i]))
-        done(flat_codes[i])
-        done(flat_scales[i])
-
-    with ThreadPoolExecutor(max_workers=max(1, min(matrices, len(core_cpus())))) as pool:
-        list(pool.map(lay_out, range(matrices)))
-    return laid_codes.reshape(*lead, count, width // 4, tile, 4), laid_scales.reshape(*lead, count, blocks, tile)
-
-
 class GraphWeights:
-    """One graph's external initializers as arrays over its .data file (mapped, and hashed in the same read where
-    the manifest's sha256 is still to check: runtime/backends/mapped_file.py), checked against the shapes the native step
-    reads them with. The tiled copies (`tiles`) are the step's own; the pages of the file under each weight are let
-    go of as soon as it is laid out, so a process never holds a layer twice."""
+    """One graph's external initializers as arrays over its .data file, mapped for the model's life: the int8 and
+    4-bit weights are in the native step's tiles in the artifact (core/native_tiles.py), read in place; the few small
+    tensors the step takes in another form (float32 norms, W_UK / W_UV four rows at a time) are copies (`held`).
+    `check` hashes the file through the mapping against the manifest, where it is still to check."""
 
-    def __init__(self, manifest: Manifest, name: str, lib: ctypes.CDLL, tile: int = 64, drop: bool = False):
-        """lib: the native library (its k2_lay_out lays the tiles out); tile: the rows of a weight tile (its TILE);
-        drop: pages laid out leave the page cache too (MappedFile)."""
-        self.manifest, self.lib, self.tile = manifest, lib, tile
+    def __init__(self, manifest: Manifest, name: str):
+        self.manifest = manifest
         self.path = manifest.graph_file(name, hash_data=False)
         self.data_name = manifest.graph_entry(name)["data"]
         self.tensors = external_initializers(self.path)
-        self.file: MappedFile | None = None
-        self.sha256, self.drop = manifest.data_sha256(name), drop
-        self.held: list[np.ndarray] = []  # arrays made here (widened, tiled), kept alive with the model
+        self.record = manifest.data_record(name)
+        self.file = MappedFile(manifest.path(self.data_name))  # graph_file checked every location is this file
+        self.held: list[np.ndarray] = []  # arrays made here (widened, interleaved), kept alive with the model
 
     def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
         spec = self.tensors.get(name)
         if spec is None or spec.dims != shape or spec.data_type not in types:
             found = "missing" if spec is None else f"{list(spec.dims)} of type {spec.data_type}"
             raise NativeUnavailable(f"{self.path.name}: {name} is {found}, the native step reads {list(shape)}")
-        if self.file is None:  # graph_file checked that every location is the graph's listed data file
-            self.file = MappedFile(self.manifest.path(self.data_name), self.sha256, self.drop)
         data = self.file.bytes
         dtype = np.dtype(TYPES[spec.data_type])
         length = int(np.prod(shape)) * dtype.itemsize
@@ -167,7 +124,7 @@ class GraphWeights:
         return data[spec.offset:spec.offset + length].view(dtype).reshape(shape)
 
     def floats(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A float32 or bfloat16 tensor as float32, a copy (the file's bytes are let go once read, `release`)."""
+        """A float32 or bfloat16 tensor as float32, a copy."""
         raw = self.array(name, shape, (1, 16))
         if raw.dtype == np.uint16:
             raw = (raw.astype(np.uint32) << 16).view(np.float32)
@@ -177,33 +134,33 @@ class GraphWeights:
         self.held.append(array)
         return array
 
+    def tiles(self, codes: str, scales: str, lead: tuple[int, ...], rows: int, width: int,
+              bits: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """Initializers `codes` and `scales` (their names in rows) in the native step's tiles, in place: `rows` rows of
+        `width` inputs, `bits` (8 or 4) a code, a stack of `lead` of them -> (codes, block scales, block)."""
+        spec = self.tensors.get(scales + native_tiles.SUFFIX)
+        if spec is None:
+            held = "in rows, not in the native step's tiles (exported by an older k2deploy); export it again"
+            raise NativeUnavailable(f"{self.path.name}: {codes} is " + (held if codes in self.tensors else "missing"))
+        blocks = spec.dims[-2] if len(spec.dims) >= 2 else 0
+        if not blocks or width % blocks or (width // blocks) % (32 // bits):
+            raise NativeUnavailable(f"{self.path.name}: {scales} holds {blocks} blocks a row, which do not split "
+                                    f"{width} inputs into blocks of a multiple of {32 // bits}")
+        laid = self.array(codes + native_tiles.SUFFIX, native_tiles.codes_shape(lead, rows, width * bits // 8), (2,))
+        laid_scales = self.array(scales + native_tiles.SUFFIX, native_tiles.scales_shape(lead, rows, blocks), (1,))
+        return laid, laid_scales, width // blocks
+
     def linear(self, name: str, rows: int, cols: int) -> Lin:
-        """`name`.weight_int8 [rows, cols / block, block] and its scales [rows, cols / block], tiled."""
-        spec = self.tensors.get(f"{name}.weight_int8")
-        if spec is None or len(spec.dims) != 3 or not spec.dims[2] or cols % spec.dims[2] or spec.dims[2] % 4:
-            raise NativeUnavailable(f"{self.path.name}: {name} is not an int8 block linear of {cols} inputs")
-        block = spec.dims[2]
-        codes = self.array(f"{name}.weight_int8", (rows, cols // block, block), (2,)).reshape(rows, cols)
-        scales = self.array(f"{name}.weight_int8_scale", (rows, cols // block), (1,))
-        codes, scales = self.tiles(codes, scales)
+        """`name`.weight_int8 [rows, cols] and its block scales, in tiles (read in place)."""
+        codes, scales, block = self.tiles(f"{name}.weight_int8", f"{name}.weight_int8_scale", (), rows, cols, 8)
         return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
-    def tiles(self, codes: np.ndarray, scales: np.ndarray, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
-        """`tiled`, kept alive with the model; the file's pages under each matrix let go of once it is laid out."""
-        codes, scales = tiled(self.lib, codes, scales, self.tile, bits, self.file.forget)
-        return self.keep(codes), self.keep(scales)
-
-    def checked(self) -> None:
-        """A K2Error unless the data file read through is the one the manifest lists (waits for its hash)."""
-        if self.file is not None and self.sha256 is not None:
-            self.manifest.check_sha256(self.data_name, self.file.hash())
-
-    def release(self) -> None:
-        """Checks the data file (`checked`), then lets go of it: everything the step reads from it is copied out."""
-        self.checked()
-        if self.file is not None:
-            self.file.close()
-            self.file = None
+    def check(self, threads: int) -> None:
+        """A K2Error unless the data file is the one the manifest lists (hashed through the mapping, where it is still
+        to check)."""
+        if self.record is not None:
+            self.manifest.check_read(self.data_name, self.file.matches(self.record, threads))
+            self.record = None
 
 
 class NativeDecoder:
@@ -213,11 +170,15 @@ class NativeDecoder:
 
     @staticmethod
     def check_target(manifest: Manifest) -> None:
-        """NativeUnavailable unless the artifact is lowered for the cpu target with the int8 cache."""
+        """NativeUnavailable unless the artifact is lowered for the cpu target with the int8 cache, its weights in the
+        step's tiles."""
         target, cache = manifest.data.get("target"), manifest.kv_cache.get("format")
         if target != "cpu" or cache != "int8":
             raise NativeUnavailable(f"it runs the cpu target with the int8 cache, this artifact is {target} with "
                                     f"{cache}")
+        if manifest.data.get("weight_layout") != "native_tiles":
+            raise NativeUnavailable("it reads the weights in its tiles, and this artifact holds them in rows (exported "
+                                    "by an older k2deploy); export it again to run the native step")
 
     def __init__(self, manifest: Manifest, threads: int, max_len: int):
         self.check_target(manifest)
@@ -225,9 +186,9 @@ class NativeDecoder:
         self.lib = library()
         self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
         built = contract(self.lib)
-        ours = {"page": PAGE_SIZE, "sizeof_lin": ctypes.sizeof(Lin), "sizeof_dims": ctypes.sizeof(Dims),
-                "sizeof_layer": ctypes.sizeof(Layer), "sizeof_model": ctypes.sizeof(Model),
-                "sizeof_pages": ctypes.sizeof(Pages)}
+        ours = {"page": PAGE_SIZE, "tile": native_tiles.TILE, "sizeof_lin": ctypes.sizeof(Lin),
+                "sizeof_dims": ctypes.sizeof(Dims), "sizeof_layer": ctypes.sizeof(Layer),
+                "sizeof_model": ctypes.sizeof(Model), "sizeof_pages": ctypes.sizeof(Pages)}
         differ = [f"{name} {built[name]} (here {value})" for name, value in ours.items() if built[name] != value]
         if differ:
             raise NativeUnavailable(f"its build does not match this runtime: {', '.join(differ)}; delete "
@@ -243,26 +204,18 @@ class NativeDecoder:
         self.held_bytes = sum(manifest.data["files"][manifest.graph_entry(name)["data"]]["bytes"] for name in names)
         available = available_memory()
         if available is not None and self.held_bytes > available:
-            raise NativeUnavailable(f"it reads the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) into "
-                                    f"memory of its own, and {available / 2**30:.1f} GiB is available")
-        tile = built["tile"]
-        drop = available is not None and self.held_bytes > available // 2  # the file's pages and the tiles: not both
-        self.graphs = [GraphWeights(manifest, name, self.lib, tile, drop) for name in names[:-1]]
-        layers = []
-        for index, g in enumerate(self.graphs):  # a layer's file let go once its weights are tiled: one at a time
-            layers.append(self._layer(index, g))
-            g.release()
-        self.layers = (Layer * c.num_hidden_layers)(*layers)
-        embed = GraphWeights(manifest, "embed", self.lib)  # mapped, not laid out: a step reads one row
-        head = GraphWeights(manifest, "head", self.lib, tile, drop)
-        self.graphs += [embed, head]
-        table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))
-        dims = self._dims(max_len)
-        self.model = Model(dims, c.num_hidden_layers, self.layers, _address(table),
+            raise NativeUnavailable(f"it maps the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) and "
+                                    f"runs on them in memory, and {available / 2**30:.1f} GiB is available")
+        self.graphs = [GraphWeights(manifest, name) for name in ["embed", *names]]  # each file mapped, in place
+        embed, *layer_graphs, head = self.graphs
+        self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(layer_graphs)))
+        table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))  # bfloat16: a step reads one row
+        self.model = Model(self._dims(max_len), c.num_hidden_layers, self.layers, _address(table),
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
-        head.release()
-        embed.checked()
+        hashing = len(core_cpus())
+        for g in self.graphs:  # the one read of each file: hashed through its mapping, every core a chunk
+            g.check(hashing)
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
@@ -359,25 +312,16 @@ class NativeDecoder:
 
     @staticmethod
     def _experts(g: GraphWeights, layer: Layer, e: int, f: int, m: int) -> None:
-        """The routed experts, fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f], as QMoE holds them:
-        int8 blocks (bytes code + 128, `experts_fc*_weight`, one float32 scale a block) or an INT4 checkpoint's own
-        4-bit codes (zero point 8, two a byte, the lower input in the low nibble, `experts_fc*_codes`, one float32
-        scale a group)."""
-        bits = 4 if "mlp.experts_fc1_codes" in g.tensors else 8
-        codes, scales, multiple = ("codes", "scales", 8) if bits == 4 else ("weight", "scale", 4)
-        scale = g.tensors.get(f"mlp.experts_fc1_{scales}")
-        if scale is None or len(scale.dims) != 3 or not scale.dims[2] or m % scale.dims[2]:
-            raise NativeUnavailable(f"{g.path.name}: the routed experts are neither 8-bit int8 blocks nor 4-bit codes "
-                                    f"with one scale a block of the hidden size")
-        block = m // scale.dims[2]
-        if f % block or block % multiple:
-            raise NativeUnavailable(f"{g.path.name}: the experts' {bits}-bit block {block} does not divide their width "
-                                    f"{f} or is not a multiple of {multiple}")
-        per_byte = 8 // bits
-        fc1, fc1_s = g.tiles(g.array(f"mlp.experts_fc1_{codes}", (e, 2 * f, m // per_byte), (2,)),
-                             g.array(f"mlp.experts_fc1_{scales}", (e, 2 * f, m // block), (1,)), bits)
-        fc2, fc2_s = g.tiles(g.array(f"mlp.experts_fc2_{codes}", (e, m, f // per_byte), (2,)),
-                             g.array(f"mlp.experts_fc2_{scales}", (e, m, f // block), (1,)), bits)
+        """The routed experts, fc1 [e, 2f, m] (gate and up rows interleaved) and fc2 [e, m, f], as QMoE holds them,
+        in tiles: int8 blocks (bytes code + 128, `experts_fc*_weight`, one float32 scale a block) or an INT4
+        checkpoint's own 4-bit codes (zero point 8, two a byte, the lower input in the low nibble,
+        `experts_fc*_codes`, one float32 scale a group)."""
+        bits = 4 if any(name.startswith("mlp.experts_fc1_codes") for name in g.tensors) else 8
+        codes, scales = ("codes", "scales") if bits == 4 else ("weight", "scale")
+        fc1, fc1_s, block = g.tiles(f"mlp.experts_fc1_{codes}", f"mlp.experts_fc1_{scales}", (e,), 2 * f, m, bits)
+        fc2, fc2_s, down_block = g.tiles(f"mlp.experts_fc2_{codes}", f"mlp.experts_fc2_{scales}", (e,), m, f, bits)
+        if down_block != block:
+            raise NativeUnavailable(f"{g.path.name}: the experts' blocks differ ({block} and {down_block})")
         layer.block, layer.bits = block, bits
         layer.fc1, layer.fc2, layer.fc1_s, layer.fc2_s = (_address(a) for a in (fc1, fc2, fc1_s, fc2_s))
 

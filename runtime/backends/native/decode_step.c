@@ -47,13 +47,14 @@
 #define QUIET_DOUBLINGS 7   /* within the last quiet time or soon after (at most 1.28 s) */
 #define LEASE_IDLE_SECONDS 0.05  /* a process that ran no step for this long gives its cores' leases back */
 
-/* ---- the model, as runtime/backends/native_decode.py lays it out ------------------------------------------------ */
+/* ---- the model, as the artifact holds it (core/native_tiles.py) and runtime/backends/native_decode.py maps it ---- */
 
 #define TILE 64  /* weight rows laid out together: one int8 dot instruction per 16 of them, no horizontal sum */
 /* n rows of k inputs in tiles of TILE rows (the last padded with zero rows), s [tiles(n), k / block, TILE] the block
-   scales (runtime/backends/native_decode.py tiled). bits 8: w [tiles(n), k / 4, TILE, 4] bytes code + 128, each tile's four
-   consecutive inputs of its rows side by side; bits 4: w [tiles(n), k / 8, TILE, 4] bytes, the 4-bit codes (value
-   + 8) of inputs 8 i .. 8 i + 3 in the low nibbles and of 8 i + 4 .. 8 i + 7 in the high ones (tiled_nibbles) */
+   scales. bits 8: w [tiles(n), k / 4, TILE, 4] bytes code + 128, each tile's four consecutive inputs of its rows side
+   by side; bits 4: w [tiles(n), k / 8, TILE, 4], each tile's four consecutive bytes of its rows side by side, a byte
+   two 4-bit codes (value + 8), the lower input in the low nibble: inputs 8 i, 8 i + 2, 8 i + 4, 8 i + 6 in the low
+   nibbles of a row's four bytes, 8 i + 1, ..., 8 i + 7 in the high ones (their activations go in that order: by_nibbles) */
 typedef struct { const uint8_t *w; const float *s; int n, k, block, bits; } K2Lin;
 static size_t tiles(int n) { return (size_t)(n + TILE - 1) / TILE; }
 
@@ -401,8 +402,18 @@ static void tile_dot_inputs(const uint8_t *w, const float *ws, const Quant *a, f
     }
 }
 
-/* tile_dot over 4-bit codes (K2Lin bits 4): per group, the integer sum of codes x activation codes, less 8 x the
-   group's activation sum (the zero point), exact, then times both scales, summed in group order */
+/* a 4-bit product's activations in the order of the codes' nibbles (K2Lin bits 4): each eight inputs' even ones, then
+   their odd ones; a block's sum does not change */
+static void by_nibbles(Quant *a) {
+    for (int i = 0; i < a->k; i += 8) {
+        int8_t run[8];
+        for (int j = 0; j < 4; j++) { run[j] = a->q[i + 2 * j]; run[4 + j] = a->q[i + 2 * j + 1]; }
+        memcpy(a->q + i, run, 8);
+    }
+}
+
+/* tile_dot over 4-bit codes (K2Lin bits 4), activations by_nibbles: per group, the integer sum of codes x activation
+   codes, less 8 x the group's activation sum (the zero point), exact, then times both scales, summed in group order */
 static void tile_dot_int4(const uint8_t *w, const float *ws, const Quant *a, float *y) {
     int groups = a->k / a->block, pairs = a->block / 8;
     vf32 acc[TILE_VECTORS];
@@ -964,9 +975,9 @@ static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const
     return x;
 }
 
-/* silu(gate) * up of `count` rows of gate and up -> their int8 inputs of the down product */
+/* silu(gate) * up of `count` rows of gate and up -> their int8 inputs of the down product (of `bits` a code) */
 static Quant *activations(const float *gate, const float *up, size_t stride, int step, int count, int width,
-                          int block, Bump *b) {
+                          int block, int bits, Bump *b) {
     Quant *h = take(b, count * sizeof(Quant));
     float *act = take(b, width * 4);
     for (int j = 0; j < count; j++) {
@@ -974,6 +985,7 @@ static Quant *activations(const float *gate, const float *up, size_t stride, int
         for (int i = 0; i < width; i++) act[i] = silu(g[(size_t)step * i]) * u[(size_t)step * i];
         h[j] = quant(b, width, block);
         quantize(act, &h[j]);
+        if (bits == 4) by_nibbles(&h[j]);
     }
     return h;
 }
@@ -996,6 +1008,7 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
             route(d, scores + (size_t)s * l->experts, l->bias, l->experts, chosen + s * k, weight + s * terms);
             xe[s] = quant(&b, m, l->block);
             quantize(xn + (size_t)s * m, &xe[s]);
+            if (l->bits == 4) by_nibbles(&xe[s]);
         }
         x = group_experts(d, l, batch, chosen, &b);
     }
@@ -1034,14 +1047,14 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
     const float **term = take(&b, (size_t)batch * terms * sizeof(float *));
     for (int u = 0; u < x.parts; u++) {  /* the gate and up rows interleaved */
         down_lin[u] = x.down[u]; down_count[u] = x.count[u];
-        down_in[u] = activations(out[u], out[u] + 1, x.up[u].n, 2, x.count[u], l->width, l->block, &b);
+        down_in[u] = activations(out[u], out[u] + 1, x.up[u].n, 2, x.count[u], l->width, l->block, l->bits, &b);
         down_out[u] = take(&b, (size_t)x.count[u] * m * 4);
     }
     for (int i = 0; i < batch * k; i++)
         term[(i / k) * terms + i % k] = down_out[x.part[i]] + (size_t)x.slot[i] * m;
     if (dense) {
         down_lin[x.parts] = l->down; down_count[x.parts] = batch;
-        down_in[x.parts] = activations(out[x.parts], out[x.parts + 1], l->gate.n, 1, batch, l->gate.n, l->down.block, &b);
+        down_in[x.parts] = activations(out[x.parts], out[x.parts + 1], l->gate.n, 1, batch, l->gate.n, l->down.block, 8, &b);
         down_out[x.parts] = take(&b, (size_t)batch * m * 4);
         for (int s = 0; s < batch; s++) {
             term[s * terms + k] = down_out[x.parts] + (size_t)s * m;
@@ -1169,37 +1182,6 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
             hidden[(size_t)s * d->hidden + i] = from_bf16(m->embed[(size_t)tokens[s] * d->hidden + i]);
     }
     return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
-}
-
-/* one matrix laid out as a K2Lin holds it (runtime/backends/native_decode.py tiled): codes [n, k] bytes (bits 8) or [n, k / 2]
-   two 4-bit codes a byte, the lower input in the low nibble (bits 4), scales [n, blocks] -> w and s, tiles(n) tiles
-   of TILE rows (the rows past n zero) */
-void k2_lay_out(const uint8_t *codes, const float *scales, int n, int k, int blocks, int bits, uint8_t *w, float *s) {
-    size_t row_bytes = (size_t)k * bits / 8, count = tiles(n);
-    size_t groups = (size_t)k / (bits == 8 ? 4 : 8);  /* four-byte groups of a tile row */
-    for (size_t t = 0; t < count; t++, w += groups * TILE * 4, s += (size_t)blocks * TILE) {
-        size_t first = t * TILE, valid = first + TILE <= (size_t)n ? TILE : (size_t)n - first;
-        for (int j = 0; j < blocks; j++)
-            for (size_t r = 0; r < TILE; r++) s[(size_t)j * TILE + r] = r < valid ? scales[(first + r) * blocks + j] : 0;
-        if (valid < TILE) memset(w, 0, groups * TILE * 4);  /* the rows past n stay zero */
-        /* a row at a time: its source read in order, its four-byte groups written TILE * 4 bytes apart into the tile
-           (k * TILE bytes at most: in L2 while its rows are written) */
-        for (size_t r = 0; r < valid; r++) {
-            const uint8_t *src = codes + (first + r) * row_bytes;
-            uint8_t *out = w + r * 4;
-            if (bits == 8) {
-                for (size_t g = 0; g < groups; g++) memcpy(out + g * TILE * 4, src + 4 * g, 4);
-                continue;
-            }
-            for (size_t g = 0; g < groups; g++, src += 4, out += TILE * 4) {
-                /* inputs 8 g .. 8 g + 7, two a byte, the lower one low -> input 8 g + i low, 8 g + 4 + i high */
-                out[0] = (uint8_t)((src[0] & 15) | (src[2] << 4));
-                out[1] = (uint8_t)((src[0] >> 4) | (src[2] & 0xF0));
-                out[2] = (uint8_t)((src[1] & 15) | (src[3] << 4));
-                out[3] = (uint8_t)((src[1] >> 4) | (src[3] & 0xF0));
-            }
-        }
-    }
 }
 
 /* the library's side of its contract with runtime/backends/native_decode.py, read there at load (native_build.CONTRACT

@@ -1,0 +1,85 @@
+"""A file's sha256 as a whole and chunk by chunk, so that a large file is checked on every core at once.
+
+The exporter records each data file's sha256 and the sha256 of each CHUNK_BYTES chunk of it (the manifest's
+`chunk_sha256`); a reader checks the chunks, one a thread, in the same read that brings the file into memory: every
+byte is covered by a chunk's digest, and a real-size layer is checked at the disk's pace, not at one core's pace of
+sha256 (about 2 GB/s). A record without chunks (an artifact exported before them, or any other file) is hashed
+whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+CHUNK_BYTES = 64 << 20  # bytes each chunk digest covers (the last chunk may be shorter)
+READ_BYTES = 8 << 20  # bytes hashed at a time from a whole file
+
+
+class ChunkedSha256:
+    """sha256 of a stream as a whole and of each CHUNK_BYTES chunk of it, fed in any pieces."""
+
+    def __init__(self):
+        self.whole, self.chunk, self.filled, self.chunks = hashlib.sha256(), hashlib.sha256(), 0, []
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        self.whole.update(view)  # hashlib lets go of the interpreter lock over large buffers
+        while len(view):
+            take = min(len(view), CHUNK_BYTES - self.filled)
+            self.chunk.update(view[:take])
+            self.filled += take
+            view = view[take:]
+            if self.filled == CHUNK_BYTES:
+                self.chunks.append(self.chunk.hexdigest())
+                self.chunk, self.filled = hashlib.sha256(), 0
+
+    def record(self) -> dict:
+        """{sha256, chunk_bytes, chunk_sha256} of everything fed."""
+        chunks = self.chunks + ([self.chunk.hexdigest()] if self.filled else [])
+        return {"sha256": self.whole.hexdigest(), "chunk_bytes": CHUNK_BYTES, "chunk_sha256": chunks}
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return -(-size // chunk_bytes)
+
+
+def matches(record: dict, read: Callable[[int, int], object], threads: int) -> bool:
+    """Whether the bytes read(offset, length) gives (a buffer) are the ones `record` ({bytes, sha256[, chunk_bytes,
+    chunk_sha256]}, its shape checked: core/manifest.py) lists: its chunks on `threads` threads, else whole."""
+    size, chunks = record["bytes"], record.get("chunk_sha256")
+    if chunks is None:
+        digest = hashlib.sha256()
+        for offset in range(0, size, READ_BYTES):
+            digest.update(read(offset, min(READ_BYTES, size - offset)))
+        return digest.hexdigest() == record["sha256"]
+    step = record["chunk_bytes"]
+
+    def chunk_matches(index: int) -> bool:
+        offset = index * step
+        return hashlib.sha256(read(offset, min(step, size - offset))).hexdigest() == chunks[index]
+
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        return all(pool.map(chunk_matches, range(len(chunks))))
+
+
+def file_matches(path, record: dict, threads: int) -> bool:
+    """`matches` over a file on disk (False where it cannot be read through)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        def read(offset: int, length: int) -> bytes:
+            data = os.pread(fd, length, offset)
+            if len(data) != length:
+                raise OSError(f"{path}: cut short")
+            return data
+
+        return matches(record, read, threads)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
