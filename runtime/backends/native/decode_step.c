@@ -322,26 +322,60 @@ static void share(int count, int tid, int threads, int *start, int *stop) {
 
 typedef struct { int8_t *q; float *s; int32_t *sum; int k, block; } Quant; /* x [k] as int8 blocks */
 
+typedef int8_t vq8 __attribute__((vector_size(LANES)));  /* LANES int8 codes: a vf32's lanes narrowed */
+
+static inline vi32 pick(vi32 mask, vi32 yes, vi32 no) { return (yes & mask) | (no & ~mask); }
+
+/* the largest |x[i]| (for finite x; the order of the comparisons is fixed, so any x gives one answer) */
 static float largest_magnitude(const float *x, int n) {
     float absmax = 0;
-    for (int i = 0; i < n; i++) absmax = MAX(absmax, fabsf(x[i]));
+    int i = 0;
+    if (n >= LANES) {
+        vi32 most = {0};
+        for (; i + LANES <= n; i += LANES) {
+            vi32 magnitude = (vi32)load_f32(x + i) & 0x7fffffff;
+            most = pick((vf32)magnitude > (vf32)most, magnitude, most);
+        }
+        for (int j = 0; j < LANES; j++) absmax = MAX(absmax, ((vf32)most)[j]);
+    }
+    for (; i < n; i++) absmax = MAX(absmax, fabsf(x[i]));
     return absmax;
+}
+
+#define ROUNDER 12582912.0f  /* 1.5 x 2^23: v + ROUNDER - ROUNDER is v rounded to the nearest integer, ties to even, for
+                                |v| < 2^22, as nearbyintf rounds (a product over absmax / 127 is at most 127 and a bit) */
+
+/* codes [n] = round(x [n] x inverse), clipped to [lowest, highest], as bytes (int8 codes: -127 .. 127; probability
+   bytes: 0 .. 255); -> their sum */
+static int32_t round_codes(const float *x, int n, float inverse, int lowest, int highest, uint8_t *codes) {
+    int32_t sum = 0;
+    int i = 0;
+    const vf32 by = (vf32){0} + inverse, rounder = (vf32){0} + ROUNDER;
+    vi32 total = {0};
+    for (; i + LANES <= n; i += LANES) {
+        vi32 q = __builtin_convertvector((load_f32(x + i) * by + rounder) - rounder, vi32);
+        q = pick(q > highest, splat_i32(highest), q);
+        q = pick(q < lowest, splat_i32(lowest), q);
+        total += q;
+        vq8 bytes = __builtin_convertvector(q, vq8);  /* each lane's low byte */
+        memcpy(codes + i, &bytes, LANES);
+    }
+    for (int j = 0; j < LANES; j++) sum += total[j];
+    for (; i < n; i++) {
+        int q = (int)nearbyintf(x[i] * inverse);
+        q = q > highest ? highest : q < lowest ? lowest : q;
+        codes[i] = (uint8_t)q; sum += q;
+    }
+    return sum;
 }
 
 /* x [k] -> int8 codes round(x / scale) (to nearest, ties to even), scale = absmax / 127 per block, and each block's
    code sum */
 static void quantize(const float *x, Quant *a) {
     for (int j = 0; j < a->k / a->block; j++) {
-        const float *xb = x + j * a->block;
-        int8_t *qb = a->q + j * a->block;
-        float scale = largest_magnitude(xb, a->block) / 127.0f, inverse = scale > 0 ? 1.0f / scale : 0;
-        int32_t sum = 0;
-        for (int i = 0; i < a->block; i++) {
-            int q = (int)nearbyintf(xb[i] * inverse);
-            q = q > 127 ? 127 : q < -127 ? -127 : q;
-            qb[i] = (int8_t)q; sum += q;
-        }
-        a->s[j] = scale; a->sum[j] = sum;
+        float scale = largest_magnitude(x + j * a->block, a->block) / 127.0f, inverse = scale > 0 ? 1.0f / scale : 0;
+        a->sum[j] = round_codes(x + j * a->block, a->block, inverse, -127, 127, (uint8_t *)a->q + j * a->block);
+        a->s[j] = scale;
     }
 }
 
@@ -592,6 +626,7 @@ typedef struct {
     const K2Dims *d; const K2Layer *l; const K2Pages *pages; const int64_t *table;
     int keys;                 /* positions 0 .. keys - 1, the new one included (already in its page) */
     const float *q;           /* [h, d + r]: q_nope, q_pe (roped) per head */
+    float *q_pe;              /* [r, h] q_pe, the heads side by side (rope_scores) */
     float *out;               /* [h, v] */
     Quant *lat;               /* [h] each head's latent query (q_nope through W_UK), quantised */
     float *scores;            /* [h, keys]: scores, then exp(score - largest), then probabilities */
@@ -700,9 +735,38 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
     }
 }
 
-/* the cached float16 rope key of one position -> floats */
-static void rope_key(const uint16_t *half, int r, float *out) {
-    for (int i = 0; i < r; i++) { _Float16 h; memcpy(&h, half + i, 2); out[i] = (float)h; }
+typedef float v8f __attribute__((vector_size(32)));  /* eight heads' rope scores at once, on every instruction set */
+
+/* out [h] = each head's roped query . one position's rope key, q_pe [r, h] (heads side by side): the sum over i in
+   four interleaved runs (i mod 4), then (run 0 + run 1) + (run 2 + run 3): one order on every instruction set, for
+   any number of heads, whatever the threads */
+static void rope_scores(const float *q_pe, const float *k, int r, int h, float *out) {
+    int j = 0;
+    for (; j + 8 <= h; j += 8) {
+        v8f run0 = {0}, run1 = {0}, run2 = {0}, run3 = {0}, q[4];
+        int i = 0;
+        for (; i + 4 <= r; i += 4) {
+            memcpy(q, q_pe + (size_t)i * h + j, sizeof q[0]);
+            memcpy(q + 1, q_pe + (size_t)(i + 1) * h + j, sizeof q[0]);
+            memcpy(q + 2, q_pe + (size_t)(i + 2) * h + j, sizeof q[0]);
+            memcpy(q + 3, q_pe + (size_t)(i + 3) * h + j, sizeof q[0]);
+            run0 += q[0] * ((v8f){0} + k[i]);
+            run1 += q[1] * ((v8f){0} + k[i + 1]);
+            run2 += q[2] * ((v8f){0} + k[i + 2]);
+            run3 += q[3] * ((v8f){0} + k[i + 3]);
+        }
+        for (v8f *run[3] = {&run0, &run1, &run2}; i < r; i++) {  /* i mod 4 is 0, 1, 2 in turn */
+            memcpy(q, q_pe + (size_t)i * h + j, sizeof q[0]);
+            *run[i % 4] += q[0] * ((v8f){0} + k[i]);
+        }
+        v8f total = (run0 + run1) + (run2 + run3);
+        memcpy(out + j, &total, sizeof total);
+    }
+    for (; j < h; j++) {
+        float run[4] = {0, 0, 0, 0};
+        for (int i = 0; i < r; i++) run[i % 4] += q_pe[(size_t)i * h + j] * k[i];
+        out[j] = (run[0] + run[1]) + (run[2] + run[3]);
+    }
 }
 
 /* phase 1, heads: q_nope through W_UK per output column c, quantised per row */
@@ -727,21 +791,21 @@ static void absorb_task(void *arg, int tid, int threads) {
 static void scores_task(void *arg, int tid, int threads) {
     Attention *a = arg;
     const K2Dims *d = a->d;
-    int t0, t1, heads = d->heads, keys = a->keys, qk = d->nope + d->rope;
+    int t0, t1, heads = d->heads, keys = a->keys;
     position_share(keys, tid, threads, &t0, &t1);
     Bump b = {a->own + a->own_bytes * tid};
-    float *k_pe = take(&b, d->rope * 4), *largest = a->largest + (size_t)tid * heads;
+    float *k_pe = take(&b, d->rope * 4), *rope = take(&b, heads * 4), *largest = a->largest + (size_t)tid * heads;
     int32_t *sums = take(&b, heads * 4);
     for (int j = 0; j < heads; j++) largest[j] = -INFINITY;
     for (int t = t0; t < t1; t++) {
         size_t at = cache_row(a, t);
-        rope_key(a->pages->rope + at * d->rope, d->rope, k_pe);
+        halves_to_floats(a->pages->rope + at * d->rope, d->rope, k_pe);  /* the cached float16 rope key */
         latent_dots(a->pages->latent + at * d->latent, d->latent, a->lat, heads, sums);
+        rope_scores(a->q_pe, k_pe, d->rope, heads, rope);
         float token_scale = a->pages->scale[at];
         for (int j = 0; j < heads; j++) {
             float latent_score = (float)sums[j] * a->lat[j].s[0] * token_scale;
-            float rope_score = dot_f32(a->q + (size_t)j * qk + d->nope, k_pe, d->rope);
-            float s = (latent_score + rope_score) * d->softmax_scale;
+            float s = (latent_score + rope[j]) * d->softmax_scale;
             a->scores[(size_t)j * keys + t] = s;
             largest[j] = MAX(largest[j], s);
         }
@@ -800,7 +864,7 @@ static void values_task(void *arg, int tid, int threads) {
     for (int j = 0; j < heads; j++) {
         float inverse = 1.0f / probability_scale(a, threads, j), *s = a->scores + (size_t)j * keys;
         uint8_t *p = a->p + (size_t)j * keys;
-        for (int t = t0; t < t1; t++) p[t] = (uint8_t)nearbyintf(s[t] * inverse);
+        round_codes(s + t0, t1 - t0, inverse, 0, 255, p + t0);
     }
     for (int j = 0; j < heads; j += VALUE_HEADS)
         values(a, MIN(heads - j, VALUE_HEADS), t0, t1, a->p + (size_t)j * keys, keys,
@@ -832,13 +896,14 @@ static void output_task(void *arg, int tid, int threads) {
 /* one thread's own attention scratch, in bytes */
 static size_t attention_own_bytes(const K2Dims *d) {
     size_t quant_bytes = (size_t)MAX(d->nope, d->latent) + 3 * 64;
-    return (quant_bytes + (size_t)4 * (d->latent + d->rope + d->heads) + 4 * 64 + 63) / 64 * 64;
+    return (quant_bytes + (size_t)4 * (d->latent + d->rope + 2 * d->heads) + 5 * 64 + 63) / 64 * 64;
 }
 
 /* the attention's scratch for `threads` threads, in bytes */
 static size_t attention_bytes(const K2Dims *d, int threads) {
     size_t h = d->heads, t = d->max_len, chunks = (t + CHUNK - 1) / CHUNK;
-    size_t shared = h * sizeof(Quant) + h * (d->latent + 3 * 64) + h * t * 5 + (size_t)threads * h * 8 +
+    size_t shared = h * sizeof(Quant) + h * (d->latent + 3 * 64) + (size_t)d->rope * h * 4 + 64 + h * t * 5 +
+                    (size_t)threads * h * 8 +
                     h * chunks * 4 + (size_t)threads * h * d->latent * 4 + 8 * 64;
     return shared + (size_t)threads * attention_own_bytes(d);
 }
@@ -850,6 +915,9 @@ static void attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, c
     Attention a = {.d = d, .l = l, .pages = pages, .table = table, .keys = keys, .q = q, .out = out};
     a.lat = take(&b, h * sizeof(Quant));
     for (int j = 0; j < h; j++) a.lat[j] = quant(&b, d->latent, d->latent);
+    a.q_pe = take(&b, (size_t)d->rope * h * 4);
+    for (int j = 0; j < h; j++)
+        for (int i = 0; i < d->rope; i++) a.q_pe[(size_t)i * h + j] = q[(size_t)j * (d->nope + d->rope) + d->nope + i];
     a.scores = take(&b, (size_t)h * keys * 4);
     a.p = take(&b, (size_t)h * keys);
     a.largest = take(&b, (size_t)threads * h * 4);

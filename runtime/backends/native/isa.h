@@ -80,7 +80,28 @@ static inline void store_i32(void *p, vi32 v) { memcpy(p, &v, VBYTES); }
 static inline void store_f32(void *p, vf32 v) { memcpy(p, &v, VBYTES); }
 static inline vi32 splat_i32(int32_t x) { return (vi32){0} + x; }
 static inline vi8 splat4(const void *four) { int32_t x; memcpy(&x, four, 4); return (vi8)splat_i32(x); }
-static inline int32_t sum_lanes(vi32 v) { int32_t s = 0; for (int i = 0; i < LANES; i++) s += v[i]; return s; }
+static inline int32_t sum_lanes(vi32 v) {  /* integers: any order gives the same sum */
+#if VBYTES == 64
+    return _mm512_reduce_add_epi32((__m512i)v);
+#elif VBYTES == 32 && defined(__AVX2__)
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128((__m256i)v), _mm256_extracti128_si256((__m256i)v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+#else
+    int32_t s = 0;
+    for (int i = 0; i < LANES; i++) s += v[i];
+    return s;
+#endif
+}
+
+/* n float16 values -> floats: eight at a time where the CPU converts them (F16C), the rest one by one */
+static inline void halves_to_floats(const uint16_t *half, int n, float *out) {
+    int i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + i))));
+#endif
+    for (; i < n; i++) { _Float16 h; memcpy(&h, half + i, 2); out[i] = (float)h; }
+}
 
 /* a spinning thread's hint to the core that it waits */
 static inline void cpu_relax(void) {
