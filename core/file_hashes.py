@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 CHUNK_BYTES = 64 << 20  # bytes each chunk digest covers (the last chunk may be shorter)
+SMALLEST_CHUNK = 1 << 16  # a manifest's chunk_bytes at least this: its digest list stays short
 READ_BYTES = 8 << 20  # bytes hashed at a time from a whole file
 
 
@@ -51,18 +52,22 @@ def matches(record: dict, read: Callable[[int, int], object], threads: int) -> b
     chunk_sha256]}, its shape checked: core/manifest.py) lists: its chunks on `threads` threads, else whole."""
     size, chunks = record["bytes"], record.get("chunk_sha256")
     if chunks is None:
-        digest = hashlib.sha256()
-        for offset in range(0, size, READ_BYTES):
-            digest.update(read(offset, min(READ_BYTES, size - offset)))
-        return digest.hexdigest() == record["sha256"]
+        return _sha256(read, 0, size) == record["sha256"]
     step = record["chunk_bytes"]
 
     def chunk_matches(index: int) -> bool:
-        offset = index * step
-        return hashlib.sha256(read(offset, min(step, size - offset))).hexdigest() == chunks[index]
+        return _sha256(read, index * step, min((index + 1) * step, size)) == chunks[index]
 
     with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
         return all(pool.map(chunk_matches, range(len(chunks))))
+
+
+def _sha256(read: Callable[[int, int], object], start: int, stop: int) -> str:
+    """sha256 of bytes start:stop, read READ_BYTES at a time (a chunk of any size costs no more memory)."""
+    digest = hashlib.sha256()
+    for offset in range(start, stop, READ_BYTES):
+        digest.update(read(offset, min(READ_BYTES, stop - offset)))
+    return digest.hexdigest()
 
 
 def file_matches(path, record: dict, threads: int) -> bool:

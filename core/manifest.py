@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
-from .file_hashes import chunk_count, file_matches
+from .file_hashes import SMALLEST_CHUNK, chunk_count, file_matches
 from .json_files import check_version, read_document
 from .onnx_wire import graph_facts
 
@@ -170,7 +170,7 @@ def _check_shape(root: Path, data: dict) -> None:
              f"files[{name!r}] must hold a byte count and a sha256")
         if "chunk_sha256" in record:
             step, chunks = record.get("chunk_bytes"), record["chunk_sha256"]
-            need(isinstance(step, int) and not isinstance(step, bool) and step > 0 and isinstance(chunks, list)
+            need(isinstance(step, int) and not isinstance(step, bool) and step >= SMALLEST_CHUNK and isinstance(chunks, list)
                  and len(chunks) == chunk_count(record["bytes"], step)
                  and all(isinstance(c, str) and SHA256.match(c) for c in chunks),
                  f"files[{name!r}] must hold a sha256 for each of its chunk_bytes chunks")

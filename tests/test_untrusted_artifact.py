@@ -89,6 +89,12 @@ CASES = {
     "a graph reading outside the artifact": (_redirect_data("../../outside.data"),
                                              "reads tensors from '../../outside.data'"),
     "a bogus target": (_set(["target"], "bogus"), "target 'bogus'"),
+    "chunks a byte long": (_set(["files", "graphs/layer_001.data", "chunk_bytes"], 1),
+                           "must hold a sha256 for each of its chunk_bytes chunks"),
+    "a chunk digest short": (lambda d, a: d["files"]["graphs/layer_001.data"]["chunk_sha256"].pop(),
+                             "must hold a sha256 for each of its chunk_bytes chunks"),
+    "a chunk digest altered": (_set(["files", "graphs/layer_001.data", "chunk_sha256", 0], "0" * 64),
+                               "file graphs/layer_001.data does not match its sha256"),
 }
 
 
