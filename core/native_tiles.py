@@ -12,6 +12,10 @@ load, the block scales of a tile's rows are one vector, and no sum crosses a reg
 the layer graphs take the plain layout back through a Transpose, Reshape and Slice of their own (`untiled` in
 export/passes.py), which ONNX Runtime folds into its initializers at load. A stack of weights (the routed experts,
 [e, n, row_bytes]) is tiled weight by weight: [e, tiles(n), row_bytes / 4, TILE, 4].
+
+The absorbed W_UK and W_UV, which the step multiplies a column at a time, are held four rows interleaved instead
+(`four_rows`: [h, k, n] -> [h, k / 4, n, 4]), so that one int8 dot instruction takes four rows' products for a vector
+of columns.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 TILE = 64  # rows a tile; the native library's TILE (checked at load through its k2_contract)
 SUFFIX = "_tiles"  # an initializer held in tiles is named after the plain one with this suffix
+FOUR_ROWS = "_four_rows"  # ... and one held four rows interleaved (`four_rows`)
 
 
 def tiles(rows: int) -> int:
@@ -70,3 +75,9 @@ def untile_scales(tiled: np.ndarray, rows: int) -> np.ndarray:
     """The inverse of tile_scales, for a stack too: [..., tiles, blocks, TILE] -> [..., rows, blocks]."""
     *lead, count, blocks, tile = tiled.shape
     return np.swapaxes(tiled, -2, -1).reshape(*lead, count * tile, blocks)[..., :rows, :]
+
+
+def four_rows(w: np.ndarray) -> np.ndarray:
+    """[h, k, n] -> [h, k / 4, n, 4]: each run of four rows interleaved per column."""
+    h, k, n = w.shape
+    return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))

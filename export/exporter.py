@@ -204,6 +204,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
             if name.endswith(native_tiles.SUFFIX):
                 plain = name.removesuffix(native_tiles.SUFFIX)
                 return tiled_pieces(plain, pieces(plain), stack=plain.startswith("mlp.experts_"))
+            if name.endswith(native_tiles.FOUR_ROWS):
+                return (native_tiles.four_rows(piece) for piece in pieces(name.removesuffix(native_tiles.FOUR_ROWS)))
             if name in derived:
                 return [derived[name]]
             computed = gm.computed_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None

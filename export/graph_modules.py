@@ -174,10 +174,18 @@ class AbsorbedInt8(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         h, d, v, c = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
-        self.register_buffer("w_uk_int8", torch.empty(h, d, c, dtype=torch.uint8))
+        self.shapes = {"w_uk_int8": (h, d, c), "w_uv_int8": (h, c, v)}
+        for name, (heads, rows, cols) in self.shapes.items():  # four rows interleaved for the native step
+            held = (heads, rows // 4, cols, 4) if rows % 4 == 0 else (heads, rows, cols)
+            self.register_buffer(name + (native_tiles.FOUR_ROWS if rows % 4 == 0 else ""),
+                                 torch.empty(held, dtype=torch.uint8))
         self.register_buffer("w_uk_scale", torch.empty(h, 1, c))
-        self.register_buffer("w_uv_int8", torch.empty(h, c, v, dtype=torch.uint8))
         self.register_buffer("w_uv_scale", torch.empty(h, 1, v))
+
+    def weight(self, name: str) -> torch.Tensor:
+        """w_uk_int8 or w_uv_int8 [h, k, n] (rows taken back apart where they are held four interleaved)."""
+        held = getattr(self, name + native_tiles.FOUR_ROWS, None)
+        return getattr(self, name) if held is None else held.transpose(-1, -2).reshape(self.shapes[name])
 
 
 def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new: tuple, past: StoredPast, mask):
@@ -186,8 +194,9 @@ def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new: tuple, past: S
     kv_b = attention.kv_b_proj
     new_codes, new_rope, new_scale = new
     return torch.ops.k2deploy.mla_attention_int8_cache(
-        q_nope, q_pe, past.latent, past.scale, past.rope, new_codes, new_scale, new_rope, kv_b.w_uk_int8, kv_b.w_uk_scale,
-        kv_b.w_uv_int8, kv_b.w_uv_scale, mask, attention.nope, attention.v_dim, attention.softmax_scale)
+        q_nope, q_pe, past.latent, past.scale, past.rope, new_codes, new_scale, new_rope, kv_b.weight("w_uk_int8"),
+        kv_b.w_uk_scale, kv_b.weight("w_uv_int8"), kv_b.w_uv_scale, mask, attention.nope, attention.v_dim,
+        attention.softmax_scale)
 
 
 def _checkpoint_kv_b(config: ModelConfig) -> nn.Module:

@@ -23,9 +23,9 @@ measured equal to 1e-7 with 8 bits, 4e-7 with 4). Layer by layer its output is t
 (tests/test_native_decode.py); the order of float sums differs, so over many steps an int8 rounding step or a
 near-tied expert flips now and then.
 
-The weights are held once: each data file is mapped and the step reads its tiles in place (the page cache's pages
-are the process's weights; only the norms, widened to float32, and the absorbed W_UK and W_UV, four rows
-interleaved, 0.05% of K2's bytes, are copies), after one read that hashes each file's chunks on every core against
+The weights are held once: each data file is mapped and the step reads its tiles (and W_UK and W_UV, four rows
+interleaved) in place (the page cache's pages are the process's weights; only the norms and the router, widened to
+float32, are copies), after one read that hashes each file's chunks on every core against
 the manifest (runtime/backends/mapped_file.py); ONNX Runtime's sessions are not loaded beside them. With too little
 memory for the files, `auto` keeps to the graphs.
 """
@@ -88,17 +88,10 @@ def _address(array: np.ndarray) -> int:
     return array.ctypes.data
 
 
-def four_rows(w: np.ndarray) -> np.ndarray:
-    """[h, k, n] -> [h, k / 4, n, 4]: each run of four input rows interleaved per column, so that one int8 dot
-    instruction takes four rows' products for 16 columns (decode_step.c columns_product)."""
-    h, k, n = w.shape
-    return np.ascontiguousarray(w.reshape(h, k // 4, 4, n).transpose(0, 1, 3, 2))
-
-
 class GraphWeights:
     """One graph's external initializers as arrays over its .data file, mapped for the model's life: the int8 and
     4-bit weights are in the native step's tiles in the artifact (core/native_tiles.py), read in place; the few small
-    tensors the step takes in another form (float32 norms, W_UK / W_UV four rows at a time) are copies (`held`).
+    tensors the step takes in another form (norms and router widened to float32) are copies (`held`).
     `check` hashes the file through the mapping against the manifest, where it is still to check."""
 
     def __init__(self, manifest: Manifest, name: str):
@@ -108,7 +101,7 @@ class GraphWeights:
         self.tensors = external_initializers(self.path)
         self.record = manifest.data_record(name)
         self.file = MappedFile(manifest.path(self.data_name))  # graph_file checked every location is this file
-        self.held: list[np.ndarray] = []  # arrays made here (widened, interleaved), kept alive with the model
+        self.held: list[np.ndarray] = []  # arrays made here (widened), kept alive with the model
 
     def array(self, name: str, shape: tuple[int, ...], types: tuple[int, ...]) -> np.ndarray:
         spec = self.tensors.get(name)
@@ -262,8 +255,9 @@ class NativeDecoder:
         if d % 4 or lat % 4:
             raise NativeUnavailable(f"it takes W_UK and W_UV four input rows at a time: qk_nope_head_dim {d} and "
                                     f"kv_lora_rank {lat} must be multiples of 4")
-        w_uk = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uk_int8", (h, d, lat), (2,))))
-        w_uv = g.keep(four_rows(g.array(f"{attn}kv_b_proj.w_uv_int8", (h, lat, v), (2,))))
+        four = native_tiles.FOUR_ROWS  # read in place, four rows interleaved
+        w_uk = g.array(f"{attn}kv_b_proj.w_uk_int8{four}", (h, d // 4, lat, 4), (2,))
+        w_uv = g.array(f"{attn}kv_b_proj.w_uv_int8{four}", (h, lat // 4, v, 4), (2,))
         layer = Layer(
             in_norm=_address(g.floats("input_layernorm.weight", (m,))),
             q_norm=_address(g.floats(f"{attn}q_a_layernorm.weight", (c.q_lora_rank,))),

@@ -66,7 +66,7 @@ typedef struct {
 typedef struct {
     const float *in_norm, *q_norm, *kv_norm, *post_norm, *frequencies; /* [m], [q_rank], [c], [m], [r / 2] */
     K2Lin q_a, q_b, kv_a, o;
-    const uint8_t *w_uk, *w_uv;   /* W_UK [h, d / 4, c, 4], W_UV [h, c / 4, v, 4] (four_rows), bytes code + 128 */
+    const uint8_t *w_uk, *w_uv;   /* W_UK [h, d / 4, c, 4], W_UV [h, c / 4, v, 4] (core/native_tiles.py four_rows), bytes code + 128 */
     const float *uk_s, *uv_s;     /* [h, c], [h, v] */
     int moe, experts, width;      /* dense: width = intermediate; MoE: width = expert width */
     K2Lin gate, up, down;         /* the dense MLP, or the shared expert (n = 0: none) */
