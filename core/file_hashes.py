@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
@@ -71,20 +72,25 @@ def _sha256(read: Callable[[int, int], object], start: int, stop: int) -> str:
 
 
 def file_matches(path, record: dict, threads: int) -> bool:
-    """`matches` over a file on disk (False where it cannot be read through)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        def read(offset: int, length: int) -> bytes:
-            data = os.pread(fd, length, offset)
-            if len(data) != length:
-                raise OSError(f"{path}: cut short")
-            return data
+    """`matches` over a file on disk, each thread reading through a descriptor of its own (so that the kernel's
+    read-ahead follows each thread's run of the file): about as fast as one plain sequential read of it (the 21.7 GB
+    FP8 K2 artifact: 12.6-14.6 s against `cat`'s 12.4-13.6 s); False where it cannot be read through."""
+    local = threading.local()
+    opened: list[int] = []
 
+    def read(offset: int, length: int) -> bytes:
+        if not hasattr(local, "fd"):
+            local.fd = os.open(path, os.O_RDONLY)
+            opened.append(local.fd)
+        data = os.pread(local.fd, length, offset)
+        if len(data) != length:
+            raise OSError(f"{path}: cut short")
+        return data
+
+    try:
         return matches(record, read, threads)
     except OSError:
         return False
     finally:
-        os.close(fd)
+        for fd in opened:
+            os.close(fd)

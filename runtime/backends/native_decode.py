@@ -92,7 +92,7 @@ class GraphWeights:
     """One graph's external initializers as arrays over its .data file, mapped for the model's life: the int8 and
     4-bit weights are in the native step's tiles in the artifact (core/native_tiles.py), read in place; the few small
     tensors the step takes in another form (norms and router widened to float32) are copies (`held`).
-    `check` hashes the file through the mapping against the manifest, where it is still to check."""
+    `check` reads the file into the page cache and hashes it against the manifest, where it is still to check."""
 
     def __init__(self, manifest: Manifest, name: str):
         self.manifest = manifest
@@ -149,8 +149,8 @@ class GraphWeights:
         return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
     def check(self, threads: int) -> None:
-        """A K2Error unless the data file is the one the manifest lists (hashed through the mapping, where it is still
-        to check)."""
+        """A K2Error unless the data file is the one the manifest lists (read and hashed, where it is still to
+        check)."""
         if self.record is not None:
             self.manifest.check_read(self.data_name, self.file.matches(self.record, threads))
             self.record = None
@@ -207,7 +207,7 @@ class NativeDecoder:
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
         hashing = len(core_cpus())
-        for g in self.graphs:  # the one read of each file: hashed through its mapping, every core a chunk
+        for g in self.graphs:  # the one read of each file, into the page cache: hashed, every core a chunk
             g.check(hashing)
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
