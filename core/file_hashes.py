@@ -50,17 +50,20 @@ def chunk_count(size: int, chunk_bytes: int) -> int:
 
 def matches(record: dict, read: Callable[[int, int], object], threads: int) -> bool:
     """Whether the bytes read(offset, length) gives (a buffer) are the ones `record` ({bytes, sha256[, chunk_bytes,
-    chunk_sha256]}, its shape checked: core/manifest.py) lists: its chunks on `threads` threads, else whole."""
+    chunk_sha256]}, its shape checked: core/manifest.py) lists: its chunks on `threads` threads, each a contiguous
+    run of them, else whole."""
     size, chunks = record["bytes"], record.get("chunk_sha256")
     if chunks is None:
         return _sha256(read, 0, size) == record["sha256"]
     step = record["chunk_bytes"]
 
-    def chunk_matches(index: int) -> bool:
-        return _sha256(read, index * step, min((index + 1) * step, size)) == chunks[index]
+    def run_matches(run: range) -> bool:  # a thread's chunks in order: one sequential read of its part of the file
+        return all(_sha256(read, i * step, min((i + 1) * step, size)) == chunks[i] for i in run)
 
-    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-        return all(pool.map(chunk_matches, range(len(chunks))))
+    count = max(1, min(threads, len(chunks)))
+    runs = [range(len(chunks) * t // count, len(chunks) * (t + 1) // count) for t in range(count)]
+    with ThreadPoolExecutor(max_workers=count) as pool:
+        return all(pool.map(run_matches, runs))
 
 
 def _sha256(read: Callable[[int, int], object], start: int, stop: int) -> str:
