@@ -36,9 +36,11 @@ def tensor_bytes(spec: TensorSpec) -> int:
     return spec.numel * DTYPE_BYTES[spec.dtype]
 
 
-def _tiled(rows: int) -> int:
-    """Rows as the cpu target holds them, in whole tiles of the native step (core/native_tiles.py)."""
-    return native_tiles.tiles(rows) * native_tiles.TILE
+def _held_rows(name: str, rows: int) -> int:
+    """A projection's rows as the cpu target holds them, in whole tiles of the native step (core/native_tiles.py);
+    a routed expert's gate and up rows are one weight of twice the rows, interleaved, tiled as one."""
+    paired = layout.is_routed_expert(name) and name.rsplit(".", 2)[-2] in ("gate_proj", "up_proj")
+    return native_tiles.tiles(2 * rows if paired else rows) * native_tiles.TILE // (2 if paired else 1)
 
 
 def _int8(name: str, rows: int, in_features: int, block: int) -> list[TensorSpec]:
@@ -70,9 +72,8 @@ def held_tensors(config: ModelConfig, specs: list[TensorSpec], weights: str, cac
         if spec.role in ("scale", "int4_scale", "int4_shape"):
             continue
         if spec.role == "int4":  # an INT4 checkpoint's own codes, their scales widened for QMoE
-            paired = spec.name.endswith(("gate_proj.weight_packed", "up_proj.weight_packed"))
-            rows = _tiled(2 * spec.shape[0]) // 2 if paired else _tiled(spec.shape[0])
-            held += _int4(spec.name.removesuffix(".weight_packed"), rows, spec.shape[1] * 8)
+            held += _int4(spec.name.removesuffix(".weight_packed"), _held_rows(spec.name, spec.shape[0]),
+                          spec.shape[1] * 8)
             continue
         if spec.role not in ("proj", "head"):
             held.append(spec)
@@ -80,8 +81,7 @@ def held_tensors(config: ModelConfig, specs: list[TensorSpec], weights: str, cac
         name, (out_features, in_features) = spec.name.removesuffix(".weight"), spec.shape
         routed = layout.is_routed_expert(spec.name)
         block = expert_block if routed else int8_block(in_features)
-        paired = routed and name.endswith(("gate_proj", "up_proj"))  # one weight of 2 x out rows interleaved
-        rows = _tiled(2 * out_features) // 2 if paired else _tiled(out_features)
+        rows = _held_rows(spec.name, out_features)
         if routed and weights == "int4":
             held += _int4(name, rows, in_features)
         elif name.endswith(".kv_b_proj"):

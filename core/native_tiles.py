@@ -64,19 +64,6 @@ def tile_scales(scales: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(tiles(r), TILE, blocks).transpose(0, 2, 1))
 
 
-def untile_codes(tiled: np.ndarray, rows: int) -> np.ndarray:
-    """The inverse of tile_codes, for a stack too: [..., tiles, groups, TILE, 4] -> [..., rows, 4 groups]."""
-    *lead, count, groups, tile, four = tiled.shape
-    plain = np.swapaxes(tiled, -3, -2).reshape(*lead, count * tile, groups * four)
-    return plain[..., :rows, :]
-
-
-def untile_scales(tiled: np.ndarray, rows: int) -> np.ndarray:
-    """The inverse of tile_scales, for a stack too: [..., tiles, blocks, TILE] -> [..., rows, blocks]."""
-    *lead, count, blocks, tile = tiled.shape
-    return np.swapaxes(tiled, -2, -1).reshape(*lead, count * tile, blocks)[..., :rows, :]
-
-
 def four_rows(w: np.ndarray) -> np.ndarray:
     """[h, k, n] -> [h, k / 4, n, 4]: each run of four rows interleaved per column."""
     h, k, n = w.shape

@@ -20,6 +20,7 @@ from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
+from k2deploy.export.passes import untiled, untiled_scales  # noqa: E402
 from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
@@ -67,8 +68,8 @@ def test_the_cpu_artifact_holds_the_int8_weights_in_the_native_steps_tiles(tiny_
     tiled_scales = onnx.numpy_helper.to_array(held["lm_head.weight_int8_scale" + native_tiles.SUFFIX])
     rows = len(weight)
     assert tiled.shape == native_tiles.codes_shape((), rows, weight.shape[1])
-    assert np.array_equal(native_tiles.untile_codes(tiled, rows), codes.reshape(rows, -1))
-    assert np.array_equal(native_tiles.untile_scales(tiled_scales, rows), scales)
+    assert np.array_equal(untiled(torch.from_numpy(tiled), rows).numpy(), codes.reshape(rows, -1))
+    assert np.array_equal(untiled_scales(torch.from_numpy(tiled_scales), rows).numpy(), scales)
     assert np.array_equal(native_tiles.tile_codes(codes.reshape(rows, -1)), tiled)
 
 

@@ -21,6 +21,7 @@ from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
 from k2deploy.export import parity
 from k2deploy.export.exporter import ExportOptions, export_artifact
+from k2deploy.export.passes import untiled, untiled_scales
 from k2deploy.export.weights import load_transformer
 from k2deploy.runtime.backends.decode_choice import load_model
 from k2deploy.runtime.engine.generator import Generator
@@ -150,7 +151,7 @@ def _initializer(artifact, stem: str, name: str, rows: int) -> np.ndarray:
     if name in held:
         return onnx.numpy_helper.to_array(held[name])
     tiled = onnx.numpy_helper.to_array(held[name + native_tiles.SUFFIX])
-    return (native_tiles.untile_scales if name.endswith("scales") else native_tiles.untile_codes)(tiled, rows)
+    return (untiled_scales if name.endswith("scales") else untiled)(torch.from_numpy(tiled), rows).numpy()
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])

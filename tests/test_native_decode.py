@@ -297,6 +297,14 @@ def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
 
 
+def test_an_artifact_holding_its_weights_in_rows_keeps_to_the_graphs_and_says_export_again(tiny_cpu_artifact):
+    """An artifact exported before the tiles (no weight_layout in its manifest) runs through the graphs."""
+    loaded = load_manifest(tiny_cpu_artifact)
+    data = {k: v for k, v in loaded.data.items() if k != "weight_layout"}
+    with pytest.raises(NativeUnavailable, match="holds them in rows .* export it again"):
+        NativeDecoder.check_target(dataclasses.replace(loaded, data=data))
+
+
 def test_a_model_past_the_steps_routing_limits_keeps_to_the_graphs(tiny_cpu_artifact):
     loaded = load_manifest(tiny_cpu_artifact)
     grouped = dict(loaded.data["model_config"], n_routed_experts=130, n_group=65, topk_group=4)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...core import native_tiles
+from ...core import file_hashes, native_tiles
 from ...core.cache_format import PAGE_SIZE
 from ...core.config import yarn_mscale
 from ...core.errors import K2Error
@@ -152,7 +152,8 @@ class GraphWeights:
         """A K2Error unless the data file is the one the manifest lists (read and hashed, where it is still to
         check)."""
         if self.record is not None:
-            self.manifest.check_read(self.data_name, self.file.matches(self.record, threads))
+            path = self.manifest.path(self.data_name)
+            self.manifest.check_read(self.data_name, file_hashes.file_matches(path, self.record, threads))
             self.record = None
 
 
