@@ -9,11 +9,12 @@ ART: a cpu-target artifact, e.g. `k2deploy make-checkpoint K2 --preset k2 --laye
 `k2deploy export K2 --out ART --target cpu` (one dense layer and one 384-expert MoE layer at Kimi K2's size).
 In order:
 
-  read once    every file of the artifact read through (1 MiB reads), timed: with --cold (root only) after the
-               page cache is dropped, so from the disk, as a first start reads it; else as the page cache has it.
-               Read again after generate, and the faster of the two reads is the one the start is held to (a
-               virtual disk's host cache can make a second read from "the disk" several times faster than the
-               first, whichever of the two comes second)
+  read once    every file of the artifact read through (1 MiB reads), timed in one stream and in 8 streams side
+               by side (each file in 8 contiguous runs: a disk serves several streams faster than one): with
+               --cold (root only) after the page cache is dropped, so from the disk, as a first start reads it;
+               else as the page cache has it. Read both ways again after generate, and the fastest of the four
+               reads is the one the start is held to (a virtual disk's host cache can make a second read from
+               "the disk" several times faster than the first, whichever comes second)
   bandwidth    the host's memory bandwidth (k2deploy.bench.bandwidth: a numpy copy in a child process)
   generate     `k2deploy generate ART --prompt-ids <prompt-len ids> --max-new-tokens N --threads T --json` in a
                child (after the page cache is dropped again with --cold): its wall time, TTFT, TPOT, the kernels
@@ -36,9 +37,11 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k2deploy.bench import bandwidth
+from k2deploy.core.file_hashes import READS_IN_FLIGHT
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.onnx_wire import external_initializers
 
@@ -65,16 +68,33 @@ def drop_page_cache() -> None:
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
 
 
-def read_once(artifact: Path) -> tuple[float, int]:
-    """Seconds to read every file of the artifact through, and its bytes."""
-    files = sorted(p for p in artifact.rglob("*") if p.is_file())
-    buffer, total = bytearray(1 << 20), 0
-    started = time.perf_counter()
-    for path in files:
+def read_once(artifact: Path, streams: int = 1, names: list[str] | None = None) -> float:
+    """Seconds to read every file of the artifact (or files `names` of it) through, 1 MiB reads, each file in
+    `streams` contiguous runs read side by side (a disk serves several streams faster than one)."""
+    files = sorted(p for p in artifact.rglob("*") if p.is_file()) if names is None else [artifact / n for n in names]
+
+    def read_run(path: Path, start: int, stop: int) -> None:
         with open(path, "rb", buffering=0) as handle:
-            while count := handle.readinto(buffer):
-                total += count
-    return time.perf_counter() - started, total
+            for offset in range(start, stop, 1 << 20):
+                os.pread(handle.fileno(), min(1 << 20, stop - offset), offset)
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=streams) as pool:
+        for path in files:
+            size = path.stat().st_size
+            cuts = [size * i // streams >> 20 << 20 for i in range(streams)] + [size]
+            list(pool.map(lambda i: read_run(path, cuts[i], cuts[i + 1]), range(streams)))
+    return time.perf_counter() - started
+
+
+def timed_reads(artifact: Path, cold: bool) -> dict[str, float]:
+    """read_once in one stream and in READS_IN_FLIGHT streams (the page cache dropped before each with `cold`)."""
+    reads = {}
+    for streams in (1, READS_IN_FLIGHT):
+        if cold:
+            drop_page_cache()
+        reads[f"{streams} stream{'s' if streams > 1 else ''}"] = read_once(artifact, streams)
+    return reads
 
 
 def generate(artifact: Path, threads: int, prompt_len: int, new_tokens: int) -> dict:
@@ -111,17 +131,15 @@ def main(argv=None) -> int:
         parser.error("--threads and --prompt-len: at least 1; --new-tokens: at least 2")
     if args.cold and os.geteuid() != 0:
         parser.error("--cold drops the page cache, which takes root")
-    if args.cold:
-        drop_page_cache()
-    read_s, artifact_bytes = read_once(args.artifact)
+    artifact_bytes = sum(p.stat().st_size for p in args.artifact.rglob("*") if p.is_file())
+    before = timed_reads(args.artifact, args.cold)
     gbps = statistics.median(bandwidth.measure_in_child())
     if args.cold:
         drop_page_cache()
     run = generate(args.artifact, args.threads, args.prompt_len, args.new_tokens)
-    if args.cold:
-        drop_page_cache()
-    reads = [read_s, read_once(args.artifact)[0]]
-    read_s = min(reads)
+    after = timed_reads(args.artifact, args.cold)
+    reads = {kind: [before[kind], after[kind]] for kind in before}
+    read_s = min(min(times) for times in reads.values())
     step = token_bytes(args.artifact, args.prompt_len + args.new_tokens / 2)
     bound_ms = step["total"] / (gbps * 1e9) * 1e3
     first_token_s = run["wall_s"] - run["tpot_ms"] * (run["tokens"] - 1) / 1e3
@@ -140,7 +158,8 @@ def main(argv=None) -> int:
     gib = 2 ** 30
     print(f"{args.artifact.name}: {artifact_bytes / gib:.2f} GiB, {args.threads} thread(s), decode {run['decode_kernels']}")
     print(f"  read once ({'cold' if args.cold else 'page cache'}): {read_s:.1f} s ({result['read_gbps']:.2f} GB/s; "
-          f"reads before and after generate {reads[0]:.1f} / {reads[1]:.1f} s); "
+          "reads before / after generate: " + ", ".join(f"{kind} {a:.1f} / {b:.1f} s" for kind, (a, b) in reads.items())
+          + "); "
           f"memory bandwidth {gbps:.1f} GB/s (numpy copy)")
     print(f"  start to first token {first_token_s:.1f} s (TTFT {run['ttft_ms']:.0f} ms): "
           f"{result['first_token_over_read_and_prefill']:.2f}x read once + prefill")

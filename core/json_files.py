@@ -83,10 +83,13 @@ def read_document(path: Path, missing: str, key: str, tag: str, what: str) -> di
     return doc
 
 
-def check_version(doc: dict, key: str, version: int, subject: str, redo: str) -> None:
-    """A K2Error "<subject> version V, this k2deploy reads version W; <redo>" unless doc[key] is `version`."""
-    if doc.get(key) != version:
-        raise K2Error(f"{subject} version {doc.get(key)!r}, this k2deploy reads version {version}; {redo}")
+def check_version(doc: dict, key: str, version: int | tuple[int, ...], subject: str, redo: str) -> None:
+    """A K2Error "<subject> version V, this k2deploy reads version W; <redo>" unless doc[key] is `version` (or one of
+    them)."""
+    versions = version if isinstance(version, tuple) else (version,)
+    if doc.get(key) not in versions or isinstance(doc.get(key), bool):
+        said = " or ".join(str(v) for v in versions)
+        raise K2Error(f"{subject} version {doc.get(key)!r}, this k2deploy reads version {said}; {redo}")
 
 
 def write_json_atomically(path: Path, obj: dict) -> None:

@@ -1,6 +1,6 @@
 """The artifact manifest: the one contract between the exporter and the runtime.
 
-`ART/manifest.json` names every file with its size and sha256, every graph with its inputs
+`ART/manifest.json` names every file with its size and digests, every graph with its inputs
 and outputs, the model config, the KV-cache format and the versions that made it. It is
 written last and atomically, so an artifact without one is unfinished and never loads.
 """
@@ -16,13 +16,15 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
-from .file_hashes import SMALLEST_CHUNK, chunk_count, file_matches
+from .file_hashes import SMALLEST_CHUNK, chunk_count, chunk_key, files_matching
 from .json_files import check_version, read_document
 from .onnx_wire import graph_facts
 
 FORMAT = "k2deploy-artifact"
-FORMAT_VERSION = 4  # 2: the latent cache is paged (page_table and <array>_pages inputs); 3: graphs name themselves;
-# 4: the int8 lowering's absorbed W_UK / W_UV are bytes code + 128 (exact integer products on every x86 CPU)
+FORMAT_VERSION = 5  # 2: the latent cache is paged (page_table and <array>_pages inputs); 3: graphs name themselves;
+# 4: the int8 lowering's absorbed W_UK / W_UV are bytes code + 128 (exact integer products on every x86 CPU);
+# 5: data files hold BLAKE3 chunk digests (chunk_blake3) in place of sha256 ones
+READ_VERSIONS = (4, 5)  # a version 4 artifact's sha256 records are checked as they were
 GRAPH_KEY = "k2deploy.graph"  # each .onnx's metadata_props: which graph it is ("embed", "layer_003", "head")
 MANIFEST_FILE = "manifest.json"
 HASH_CHUNK = 8 << 20
@@ -78,7 +80,7 @@ class Manifest:
     def graph_file(self, name: str, hash_data: bool = True) -> Path:
         """The .onnx of graph `name` ("embed", "head" or "layer_NNN"), checked before anything opens it: hashed if it
         is still unhashed, and its data file too unless hash_data is False (the caller then checks the data's
-        sha256 as it reads it: `data_sha256`); the file says it is that graph, and every tensor it keeps outside it
+        digests as it reads it: `data_record`); the file says it is that graph, and every tensor it keeps outside it
         lies in the graph's own listed data file."""
         entry = self.graph_entry(name)
         self.verify([key for key in (entry["file"], entry["data"] if hash_data else None) if key in self.unhashed])
@@ -96,27 +98,30 @@ class Manifest:
 
     def verify(self, names, hashes: bool = True) -> None:
         """Files `names` of the manifest's list: each a regular file inside the artifact, of its size and (with
-        `hashes`) its sha256; a K2Error for the first that is not. A pipeline stage verifies only its own files."""
+        `hashes`) its digests; a K2Error for the first that is not. A pipeline stage verifies only its own files."""
+        names = list(names)
         for relative in names:
             record = self.data["files"][relative]
             file = inside(self.root, relative, "file")
             if file.stat().st_size != record["bytes"]:
                 raise K2Error(f"{self.root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
                               f"{record['bytes']}; it was altered or truncated, re-export the artifact")
-            if hashes:
-                self.check_read(relative, file_matches(file, record, len(os.sched_getaffinity(0))
-                                                       if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+        if hashes:
+            threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            found = files_matching([(self.root / name, self.data["files"][name]) for name in names], threads)
+            for relative, matched in zip(names, found):
+                self.check_read(relative, matched)
 
     def check_read(self, relative: str, matched: bool) -> None:
         """A K2Error unless file `relative` read through `matched` its digests in the manifest (core/file_hashes.py);
         once it has, the file counts as hashed."""
         if not matched:
-            raise K2Error(f"{self.root}: file {relative} does not match its sha256 in the manifest; it was "
+            raise K2Error(f"{self.root}: file {relative} does not match its digests in the manifest; it was "
                           f"altered, re-export the artifact")
         self.unhashed.discard(relative)
 
     def data_record(self, name: str) -> dict | None:
-        """The record ({bytes, sha256[, chunk_bytes, chunk_sha256]}) of graph `name`'s data file, where it is still
+        """The record ({bytes, chunk_bytes, chunk_blake3}, or a sha256 record) of graph `name`'s data file, where it is still
         unhashed (the reader checks it as it reads it, `check_read`), else None."""
         data = self.graph_entry(name)["data"]
         return self.data["files"][data] if data in self.unhashed else None
@@ -134,7 +139,7 @@ class Manifest:
         return sha256_file(self.root / MANIFEST_FILE)
 
 
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
+HEX_DIGEST = re.compile(r"^[0-9a-f]{64}$")  # sha256's and BLAKE3's
 
 
 def inside(root: Path, relative: object, what: str) -> Path:
@@ -163,17 +168,19 @@ def _check_shape(root: Path, data: dict) -> None:
             raise K2Error(f"{root / MANIFEST_FILE}: malformed manifest ({what}); re-export the artifact")
 
     files = data.get("files")
-    need(isinstance(files, dict), "'files' must be an object of path -> {bytes, sha256}")
+    need(isinstance(files, dict), "'files' must be an object of path -> {bytes, and a sha256 or chunk digests}")
     for name, record in files.items():
         need(isinstance(record, dict) and isinstance(record.get("bytes"), int) and not isinstance(record["bytes"], bool)
-             and record["bytes"] >= 0 and isinstance(record.get("sha256"), str) and SHA256.match(record["sha256"]),
-             f"files[{name!r}] must hold a byte count and a sha256")
-        if "chunk_sha256" in record:
-            step, chunks = record.get("chunk_bytes"), record["chunk_sha256"]
+             and record["bytes"] >= 0, f"files[{name!r}] must hold a byte count")
+        key = chunk_key(record)
+        need(key is not None or (isinstance(record.get("sha256"), str) and HEX_DIGEST.match(record["sha256"])),
+             f"files[{name!r}] must hold a sha256 or chunk digests")
+        if key is not None:
+            step, chunks = record.get("chunk_bytes"), record[key]
             need(isinstance(step, int) and not isinstance(step, bool) and step >= SMALLEST_CHUNK and isinstance(chunks, list)
                  and len(chunks) == chunk_count(record["bytes"], step)
-                 and all(isinstance(c, str) and SHA256.match(c) for c in chunks),
-                 f"files[{name!r}] must hold a sha256 for each of its chunk_bytes chunks")
+                 and all(isinstance(c, str) and HEX_DIGEST.match(c) for c in chunks),
+                 f"files[{name!r}] must hold a digest for each of its chunk_bytes chunks")
     need(isinstance(data.get("model_config"), dict), "'model_config' must be an object")
     kv = data.get("kv_cache")
     need(isinstance(kv, dict) and all(k in kv for k in ("format", "latent_dim", "rope_dim", "bytes_per_token_per_layer")),
@@ -204,7 +211,7 @@ def load_manifest(root: str | Path, verify_hashes: bool = True, hash_graphs: boo
         raise K2Error(f"{root}: no {MANIFEST_FILE}; the export is unfinished or this is not an artifact "
                       f"(re-run `k2deploy export` to resume it)")
     data = read_document(path, "missing", "format", FORMAT, "k2deploy manifest")
-    check_version(data, "format_version", FORMAT_VERSION, f"{path}: format",
+    check_version(data, "format_version", READ_VERSIONS, f"{path}: format",
                   "re-export the checkpoint with this version")
     _check_shape(root, data)
     manifest = Manifest(root, data)

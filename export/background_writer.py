@@ -1,6 +1,6 @@
 """A file written and hashed on a thread of its own, in the order the bytes come, while the caller makes the next.
 
-The exporter's pieces come from numpy (re-quantisation) and the sink's work is a file write and a sha256 update:
+The exporter's pieces come from numpy (re-quantisation) and the sink's work is a file write and a BLAKE3 update:
 all three let go of the interpreter lock, so the two overlap on two cores. At most `depth` pieces wait; an error on
 either side stops both and is raised on the caller's.
 """
@@ -11,18 +11,18 @@ import queue
 import threading
 from typing import BinaryIO
 
-from ..core.file_hashes import ChunkedSha256
+from ..core.file_hashes import ChunkDigests
 
 _DONE = object()
 
 
 class BackgroundWriter:
-    """write(data) queues bytes for `file`; finish() -> their digests (core/file_hashes.py ChunkedSha256.record) once
+    """write(data) queues bytes for `file`; finish() -> their digests (core/file_hashes.py ChunkDigests.record) once
     all are written. Use as a context: leaving it
     by an exception stops the thread without writing what is still queued."""
 
     def __init__(self, file: BinaryIO, depth: int = 2):
-        self.file, self.digest = file, ChunkedSha256()
+        self.file, self.digest = file, ChunkDigests()
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self._stop = threading.Event()

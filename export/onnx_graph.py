@@ -62,8 +62,8 @@ def write_graph(model: ir.Model, functions: list[onnx.FunctionProto], directory:
     exception, Ctrl-C included, removes the temporary files.
 
     initializer_bytes(name) gives the pieces whose concatenation is that initializer's data.
-    Returns each written file's name -> {bytes, sha256}, the data file's with the sha256 of each of its chunks
-    (core/file_hashes.py); the data is hashed as it is written, not read back.
+    Returns each written file's name -> its record: the graph's {bytes, sha256}, the data file's {bytes, chunk_bytes,
+    chunk_blake3} (core/file_hashes.py), hashed as it is written, not read back.
     """
     data_name, graph_name = f"{stem}.data", f"{stem}.onnx"
     data_partial, graph_partial = directory / f".{data_name}.partial", directory / f".{graph_name}.partial"

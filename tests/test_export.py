@@ -8,7 +8,7 @@ import pytest
 
 from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
-from k2deploy.core.manifest import MANIFEST_FILE, load_manifest
+from k2deploy.core.manifest import FORMAT_VERSION, MANIFEST_FILE, load_manifest
 
 pytest.importorskip("torch")
 
@@ -21,11 +21,15 @@ pytestmark = pytest.mark.slow  # exports of every target, resumed and interrupte
 def test_manifest_names_every_file_graph_and_the_cache(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     data = manifest.data
-    assert data["format_version"] == 4 and data["complete"]
+    assert data["format_version"] == FORMAT_VERSION and data["complete"]
     assert [g["layer"] for g in data["graphs"]["layers"]] == [0, 1, 2]
     assert [g["structure"] for g in data["graphs"]["layers"]] == ["dense", "moe", "moe"]
     for relative, record in data["files"].items():
-        assert (tiny_artifacts["fp8"] / relative).stat().st_size == record["bytes"] and len(record["sha256"]) == 64
+        assert (tiny_artifacts["fp8"] / relative).stat().st_size == record["bytes"]
+        if relative.endswith(".data"):  # the graphs' data: a BLAKE3 digest a chunk
+            assert len(record["chunk_blake3"]) == -(-record["bytes"] // record["chunk_bytes"]) and "sha256" not in record
+        else:
+            assert len(record["sha256"]) == 64
     assert {"tokenizer/tiktoken.model", "tokenizer/tokenizer_config.json"} <= set(data["files"])
     assert data["versions"]["torch"] and data["versions"]["onnx"]
     assert data["kv_cache"]["bytes_per_token_per_layer"] == 64 + 4 + 2 * 16
@@ -109,7 +113,7 @@ def test_export_refuses_to_overwrite_and_force_redoes(tiny_artifacts, tiny_check
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("alter", "does not match its sha256"),
+    ("alter", "does not match its digests"),
     ("truncate", "it was altered or truncated"),
     ("delete", "is missing"),
     ("version", "format version 99"),

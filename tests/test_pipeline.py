@@ -194,7 +194,7 @@ def test_a_stage_hashes_only_its_own_files(tiny_artifacts, tmp_path):
     head.write_bytes(bytes(altered))
     first, last = parse_placement("0:1@cpu,1:3@cpu", manifest.config.num_hidden_layers)
     assert StageRunner(str(artifact), first, "cpu", 1).ready() is False  # loads: the head is not its file
-    with pytest.raises(K2Error, match=f"file {manifest.graphs['head']['data']} does not match its sha256"):
+    with pytest.raises(K2Error, match=f"file {manifest.graphs['head']['data']} does not match its digests"):
         StageRunner(str(artifact), last, "cpu", 1)
 
 

@@ -74,7 +74,7 @@ CASES = {
     "a graph left out of files": (_unlist_graph, "is not listed in 'files', so it cannot be verified"),
     "files as a list": (_set(["files"], ["graphs/embed.onnx"]), "malformed manifest ('files' must be an object"),
     "no graphs": (lambda d, a: d.pop("graphs"), "malformed manifest ('graphs' must hold"),
-    "a bad hash record": (_set(["files", "graphs/embed.onnx", "sha256"], 5), "must hold a byte count and a sha256"),
+    "a bad hash record": (_set(["files", "graphs/embed.onnx", "sha256"], 5), "must hold a sha256 or chunk digests"),
     "an edited hidden_size": (_set(["model_config", "hidden_size"], 256),
                               "manifest.json does not describe graphs/embed.onnx: hidden has 192"),
     "an edited cache format": (_set(["kv_cache", "format"], "bf16"),
@@ -90,11 +90,15 @@ CASES = {
                                              "reads tensors from '../../outside.data'"),
     "a bogus target": (_set(["target"], "bogus"), "target 'bogus'"),
     "chunks a byte long": (_set(["files", "graphs/layer_001.data", "chunk_bytes"], 1),
-                           "must hold a sha256 for each of its chunk_bytes chunks"),
-    "a chunk digest short": (lambda d, a: d["files"]["graphs/layer_001.data"]["chunk_sha256"].pop(),
-                             "must hold a sha256 for each of its chunk_bytes chunks"),
-    "a chunk digest altered": (_set(["files", "graphs/layer_001.data", "chunk_sha256", 0], "0" * 64),
-                               "file graphs/layer_001.data does not match its sha256"),
+                           "must hold a digest for each of its chunk_bytes chunks"),
+    "a chunk digest short": (lambda d, a: d["files"]["graphs/layer_001.data"]["chunk_blake3"].pop(),
+                             "must hold a digest for each of its chunk_bytes chunks"),
+    "a chunk digest altered": (_set(["files", "graphs/layer_001.data", "chunk_blake3", 0], "0" * 64),
+                               "file graphs/layer_001.data does not match its digests"),
+    "a data file's record as a wrong whole sha256": (
+        lambda d, a: d["files"].__setitem__("graphs/layer_001.data", {
+            "bytes": d["files"]["graphs/layer_001.data"]["bytes"], "sha256": "0" * 64}),
+        "file graphs/layer_001.data does not match its digests"),
 }
 
 

@@ -92,7 +92,8 @@ class GraphWeights:
     """One graph's external initializers as arrays over its .data file, mapped for the model's life: the int8 and
     4-bit weights are in the native step's tiles in the artifact (core/native_tiles.py), read in place; the few small
     tensors the step takes in another form (norms and router widened to float32) are copies (`held`).
-    `check` reads the file into the page cache and hashes it against the manifest, where it is still to check."""
+    `record` is its data file's digests where that file is still to check (NativeDecoder reads them all into the page
+    cache together, checking them), else None."""
 
     def __init__(self, manifest: Manifest, name: str):
         self.manifest = manifest
@@ -148,15 +149,6 @@ class GraphWeights:
         codes, scales, block = self.tiles(f"{name}.weight_int8", f"{name}.weight_int8_scale", (), rows, cols, 8)
         return Lin(_address(codes), _address(scales), rows, cols, block, 8)
 
-    def check(self, threads: int) -> None:
-        """A K2Error unless the data file is the one the manifest lists (read and hashed, where it is still to
-        check)."""
-        if self.record is not None:
-            path = self.manifest.path(self.data_name)
-            self.manifest.check_read(self.data_name, file_hashes.file_matches(path, self.record, threads))
-            self.record = None
-
-
 class NativeDecoder:
     """The whole model's decode step for one or several sequences over one artifact's weights (a cpu-target artifact
     with the int8 cache, int8 linears and 8-bit or 4-bit routed experts); NativeUnavailable where the artifact or host does
@@ -207,9 +199,7 @@ class NativeDecoder:
         self.model = Model(self._dims(max_len), c.num_hidden_layers, self.layers, _address(table),
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
-        hashing = len(core_cpus())
-        for g in self.graphs:  # the one read of each file, into the page cache: hashed, every core a chunk
-            g.check(hashing)
+        self._check_files(manifest, len(core_cpus()))
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
@@ -217,6 +207,15 @@ class NativeDecoder:
         leases = np.array(core_leases(cpus.tolist()), np.int32)  # the host's processes share its cores by them
         self.threads = self.lib.k2_pool_start(self.threads_asked, _address(cpus), _address(leases))  # last: nothing left to refuse
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
+
+    def _check_files(self, manifest: Manifest, threads: int) -> None:
+        """The one read of the data files, into the page cache, checked against the manifest's digests (all files
+        together, on every core and more reads in flight: core/file_hashes.py); a K2Error for one that differs."""
+        pending = [g for g in self.graphs if g.record is not None]
+        found = file_hashes.files_matching([(manifest.path(g.data_name), g.record) for g in pending], threads)
+        for g, matched in zip(pending, found):
+            manifest.check_read(g.data_name, matched)
+            g.record = None
 
     def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:
         """Scratch for a step of `batch` sequences (grown, never shrunk); `error` where it would take over a quarter
