@@ -2,9 +2,10 @@
 
 The exporter records each data file's BLAKE3 digest of each CHUNK_BYTES chunk (the manifest's `chunk_bytes` and
 `chunk_blake3`); a reader checks the chunks, a contiguous run of them a thread, in the same read that brings the
-file into memory, so every byte is covered by a chunk's digest. BLAKE3 because of its pace: about 8.5 GB/s on one
-AVX-512 core against sha256's 1.9 with the SHA extensions (and about 0.5 without them), so two cores check a file
-faster than a disk reads it (`python benchmarks/file_digests.py`). Artifacts exported before it hold sha256
+file into memory, so every byte is covered by a chunk's digest. BLAKE3 because of its pace: 9.1-9.5 GB/s on one
+core of an AVX-512 AMD EPYC against sha256's 2.0 there with the SHA extensions (a CPU without them hashes sha256
+at about a quarter of that), so the threads of a check wait on the disk, not on a core (`python
+benchmarks/file_digests.py`). Artifacts exported before it hold sha256
 records (whole, and per chunk in the last of them); those are checked as they were.
 """
 
@@ -87,7 +88,7 @@ def _digest(kind: Callable, read: Callable[[int, int], object], start: int, stop
 
 def files_matching(files: list[tuple[object, dict]], threads: int) -> list[bool]:
     """Whether each (path, record) file on disk holds the bytes its record lists: one file after another (a virtual
-    disk read 14.8 GB in 4.6-7.1 s so, 6.0-7.1 s with each thread's stretch across all the files), each on `threads`
+    disk gave 14.8 GB in 5.2-6.0 s so, 6.0-7.1 s with each thread's run across all the files), each on `threads`
     threads, READS_IN_FLIGHT at least, every thread reading through descriptors of its own (so that the kernel's
     read-ahead follows each thread's run of the file): faster than one plain sequential read of them; False for a
     file that cannot be read through."""
