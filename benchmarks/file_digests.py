@@ -30,6 +30,7 @@ import blake3
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.native_at_size import drop_page_cache, read_once  # noqa: E402
 from k2deploy.core import file_hashes  # noqa: E402
+from k2deploy.core.errors import K2Error  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 
 BUFFER = 256 << 20
@@ -70,14 +71,19 @@ def main() -> None:
         parser.error("--cold drops the page cache, which takes root")
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
-    cores = len(os.sched_getaffinity(0))
-    result = {"cores": cores, "gbps": {name: {"1 thread": digest_gbps(kind, 1), f"{cores} threads":
-                                              digest_gbps(kind, cores)} for name, kind in DIGESTS.items()}}
-    if args.artifact:
-        manifest = load_manifest(args.artifact, verify_hashes=False)
+    manifest = names = None
+    if args.artifact:  # checked before anything is timed
+        try:
+            manifest = load_manifest(args.artifact, verify_hashes=False)
+        except K2Error as exc:
+            parser.error(str(exc))
         names = [n for n, r in manifest.data["files"].items() if file_hashes.chunk_key(r)]
         if not names:
             parser.error(f"{args.artifact}: no data file with chunk digests (exported before format version 4)")
+    cores = len(os.sched_getaffinity(0))
+    result = {"cores": cores, "gbps": {name: {"1 thread": digest_gbps(kind, 1), f"{cores} threads":
+                                              digest_gbps(kind, cores)} for name, kind in DIGESTS.items()}}
+    if manifest is not None:
         runs = [("read_1_stream_s", lambda: read_once(args.artifact, 1, names)),
                 (f"read_{file_hashes.READS_IN_FLIGHT}_streams_s",
                  lambda: read_once(args.artifact, file_hashes.READS_IN_FLIGHT, names)),
@@ -91,7 +97,8 @@ def main() -> None:
         size = sum(manifest.data["files"][n]["bytes"] for n in names)
         kinds = sorted({file_hashes.chunk_key(manifest.data["files"][n]) for n in names})
         result["artifact"] = {"path": str(args.artifact), "bytes": size, "digests": kinds, "cold": args.cold,
-                              **timings, "check_over_read": timings["check_s"] / min(v for k, v in timings.items() if k.startswith("read"))}
+                              **timings, "check_over_read": timings["check_s"] / min(
+                                  v for k, v in timings.items() if k.startswith("read"))}
     if args.json:
         print(json.dumps(result, indent=2))
         return

@@ -120,7 +120,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     run.add_argument("--warmup", type=int, default=1, help="untimed runs per cell and side first (default: 1)")
     run.add_argument("--seed", type=int, default=0, help="prompt ids seed (default: 0)")
     run.add_argument("--bandwidth-mib", type=int, default=0, help="array size of the bandwidth copy (default: 256)")
-    run.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the artifact's files")
+    run.add_argument("--no-verify", action="store_true",
+                     help="skip checking the artifact's files against the manifest's digests")
     both = bench.add_argument_group("both")
     both.add_argument("--out", help="bench: results folder, written to OUT/<device>/ (default: artifacts/bench); "
                                     "compare: where compare.md and compare.png go (default: the first DIR)")

@@ -121,8 +121,8 @@ class Manifest:
         self.unhashed.discard(relative)
 
     def data_record(self, name: str) -> dict | None:
-        """The record ({bytes, chunk_bytes, chunk_blake3}, or a sha256 record) of graph `name`'s data file, where it is still
-        unhashed (the reader checks it as it reads it, `check_read`), else None."""
+        """The record ({bytes, chunk_bytes, chunk_blake3}, or a sha256 record) of graph `name`'s data file, where it
+        is still unhashed (the reader checks it as it reads it, `check_read`), else None."""
         data = self.graph_entry(name)["data"]
         return self.data["files"][data] if data in self.unhashed else None
 
