@@ -3,8 +3,8 @@
 The exporter records each data file's BLAKE3 digest of each CHUNK_BYTES chunk (the manifest's `chunk_bytes` and
 `chunk_blake3`); a reader checks the chunks, a contiguous run of them a thread, in the same read that brings the
 file into memory, so every byte is covered by a chunk's digest. BLAKE3 because of its pace: 9.1-9.5 GB/s on one
-core of an AVX-512 AMD EPYC against sha256's 2.0 there with the SHA extensions (a CPU without them hashes sha256
-at about a quarter of that), so the threads of a check wait on the disk, not on a core (`python
+core of an AVX-512 AMD EPYC against sha256's 2.0 there with the SHA extensions and 0.72 without them (as on a
+Skylake or Cascade Lake Xeon), so the threads of a check wait on the disk, not on a core (`python
 benchmarks/file_digests.py`). Artifacts exported before it hold sha256
 records (whole, and per chunk in the last of them); those are checked as they were.
 """
