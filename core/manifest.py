@@ -79,8 +79,8 @@ class Manifest:
 
     def graph_file(self, name: str, hash_data: bool = True) -> Path:
         """The .onnx of graph `name` ("embed", "head" or "layer_NNN"), checked before anything opens it: hashed if it
-        is still unhashed, and its data file too unless hash_data is False (the caller then checks the data's
-        digests as it reads it: `data_record`); the file says it is that graph, and every tensor it keeps outside it
+        is still unhashed, and its data file too unless hash_data is False (the caller then checks it, `verify`, in
+        the read that brings it into memory); the file says it is that graph, and every tensor it keeps outside it
         lies in the graph's own listed data file."""
         entry = self.graph_entry(name)
         self.verify([key for key in (entry["file"], entry["data"] if hash_data else None) if key in self.unhashed])
@@ -106,25 +106,14 @@ class Manifest:
             if file.stat().st_size != record["bytes"]:
                 raise K2Error(f"{self.root}: file {relative} has {file.stat().st_size} bytes, the manifest says "
                               f"{record['bytes']}; it was altered or truncated, re-export the artifact")
-        if hashes:
+        if hashes:  # every file read on several threads (core/file_hashes.py); a checked file counts as hashed
             threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
             found = files_matching([(self.root / name, self.data["files"][name]) for name in names], threads)
             for relative, matched in zip(names, found):
-                self.check_read(relative, matched)
-
-    def check_read(self, relative: str, matched: bool) -> None:
-        """A K2Error unless file `relative` read through `matched` its digests in the manifest (core/file_hashes.py);
-        once it has, the file counts as hashed."""
-        if not matched:
-            raise K2Error(f"{self.root}: file {relative} does not match its digests in the manifest; it was "
-                          f"altered, re-export the artifact")
-        self.unhashed.discard(relative)
-
-    def data_record(self, name: str) -> dict | None:
-        """The record ({bytes, chunk_bytes, chunk_blake3}, or a sha256 record) of graph `name`'s data file, where it
-        is still unhashed (the reader checks it as it reads it, `check_read`), else None."""
-        data = self.graph_entry(name)["data"]
-        return self.data["files"][data] if data in self.unhashed else None
+                if not matched:
+                    raise K2Error(f"{self.root}: file {relative} does not match its digests in the manifest; it was "
+                                  f"altered, re-export the artifact")
+                self.unhashed.discard(relative)
 
     def graph_files(self, names=None) -> list[str]:
         """The files (graph and external data) of graphs `names` ("embed", "head", "layer_NNN"; None: all the artifact

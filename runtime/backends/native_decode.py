@@ -38,7 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...core import file_hashes, native_tiles
+from ...core import native_tiles
 from ...core.cache_format import PAGE_SIZE
 from ...core.config import yarn_mscale
 from ...core.errors import K2Error
@@ -92,15 +92,13 @@ class GraphWeights:
     """One graph's external initializers as arrays over its .data file, mapped for the model's life: the int8 and
     4-bit weights are in the native step's tiles in the artifact (core/native_tiles.py), read in place; the few small
     tensors the step takes in another form (norms and router widened to float32) are copies (`held`).
-    `record` is its data file's digests where that file is still to check (NativeDecoder reads them all into the page
-    cache together, checking them), else None."""
+    Its data file is checked by NativeDecoder, all the files in one read into the page cache."""
 
     def __init__(self, manifest: Manifest, name: str):
         self.manifest = manifest
         self.path = manifest.graph_file(name, hash_data=False)
         self.data_name = manifest.graph_entry(name)["data"]
         self.tensors = external_initializers(self.path)
-        self.record = manifest.data_record(name)
         self.file = MappedFile(manifest.path(self.data_name))  # graph_file checked every location is this file
         self.held: list[np.ndarray] = []  # arrays made here (widened), kept alive with the model
 
@@ -199,7 +197,8 @@ class NativeDecoder:
         self.model = Model(self._dims(max_len), c.num_hidden_layers, self.layers, _address(table),
                            _address(head.floats("norm.weight", (c.hidden_size,))),
                            head.linear("lm_head", c.vocab_size, c.hidden_size))
-        self._check_files(manifest, len(core_cpus()))
+        # the one read of the data files, into the page cache, checked against the manifest's digests
+        manifest.verify([g.data_name for g in self.graphs if g.data_name in manifest.unhashed])
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
@@ -207,15 +206,6 @@ class NativeDecoder:
         leases = np.array(core_leases(cpus.tolist()), np.int32)  # the host's processes share its cores by them
         self.threads = self.lib.k2_pool_start(self.threads_asked, _address(cpus), _address(leases))  # last: nothing left to refuse
         self._pools: tuple[tuple[int, ...], ctypes.Array] | None = None  # the cache's pools as the step takes them
-
-    def _check_files(self, manifest: Manifest, threads: int) -> None:
-        """The one read of the data files, into the page cache, checked against the manifest's digests (all files
-        together, on every core and more reads in flight: core/file_hashes.py); a K2Error for one that differs."""
-        pending = [g for g in self.graphs if g.record is not None]
-        found = file_hashes.files_matching([(manifest.path(g.data_name), g.record) for g in pending], threads)
-        for g, matched in zip(pending, found):
-            manifest.check_read(g.data_name, matched)
-            g.record = None
 
     def _room_for(self, batch: int, error: type[Exception] = K2Error) -> None:
         """Scratch for a step of `batch` sequences (grown, never shrunk); `error` where it would take over a quarter
