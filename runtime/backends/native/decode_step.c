@@ -369,6 +369,34 @@ static int32_t round_codes(const float *x, int n, float inverse, int lowest, int
     return sum;
 }
 
+/* exp(x) of each lane, for x <= 0 (a softmax's scores less their largest): 2^n p(r), n = round(x / ln 2) and r = x - n ln 2
+   in two steps (ln 2's leading bits exact), p the degree-7 Taylor polynomial (within 2 float ulps of exp on |r| <= ln 2 / 2);
+   below -87 (where exp leaves the normal floats) 0. Each lane's steps are its own: any lane, any vector width and
+   any order of the positions give one value. */
+static inline vf32 exp_lanes(vf32 x) {
+    const vf32 rounder = (vf32){0} + ROUNDER;
+    vi32 under = x < -87.0f;
+    x = (vf32)pick(under, (vi32)((vf32){0} - 87.0f), (vi32)x);
+    vf32 n = (x * 1.44269504f + rounder) - rounder;
+    vf32 r = (x - n * 0.693145752f) - n * 1.42860677e-06f;
+    vf32 p = (vf32){0} + 1.0f / 5040;
+    p = p * r + 1.0f / 720; p = p * r + 1.0f / 120; p = p * r + 1.0f / 24; p = p * r + 1.0f / 6;
+    p = p * r + 0.5f; p = p * r + 1.0f; p = p * r + 1.0f;
+    vi32 two_n = (__builtin_convertvector(n, vi32) + 127) << 23;  /* n >= -126: a normal float's exponent */
+    return (vf32)((vi32)(p * (vf32)two_n) & ~under);
+}
+
+/* out [n] = exp_lanes(x [n] - less), a vector at a time (the last one padded) */
+static void exp_run(const float *x, int n, float less, float *out) {
+    for (int i = 0; i < n; i += LANES) {
+        float in[LANES] = {0}, got[LANES];
+        int count = MIN(LANES, n - i);
+        memcpy(in, x + i, count * 4);
+        store_f32(got, exp_lanes(load_f32(in) - less));
+        memcpy(out + i, got, count * 4);
+    }
+}
+
 /* x [k] -> int8 codes round(x / scale) (to nearest, ties to even), scale = absmax / 127 per block, and each block's
    code sum */
 static void quantize(const float *x, Quant *a) {
@@ -643,7 +671,8 @@ static void position_share(int keys, int tid, int threads, int *start, int *stop
     *start *= CHUNK; *stop = *stop * CHUNK < keys ? *stop * CHUNK : keys;
 }
 
-static size_t cache_row(const Attention *a, int t) { return (size_t)a->table[t / PAGE] * PAGE + t % PAGE; }
+static size_t cache_row_of(const int64_t *table, int t) { return (size_t)table[t / PAGE] * PAGE + t % PAGE; }
+static size_t cache_row(const Attention *a, int t) { return cache_row_of(a->table, t); }
 
 #define VALUE_HEADS (VBYTES == 64 ? 4 : 2)  /* heads that share one pass of values() over a page: 16 (or 8) sums */
 
@@ -736,6 +765,8 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
 }
 
 typedef float v8f __attribute__((vector_size(32)));  /* eight heads' rope scores at once, on every instruction set */
+static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }  /* (not 0 + x: a sum, where -0 becomes +0
+                                                                                 and a product of it changes no run) */
 
 /* out [h] = each head's roped query . one position's rope key, q_pe [r, h] (heads side by side): the sum over i in
    four interleaved runs (i mod 4), then (run 0 + run 1) + (run 2 + run 3): one order on every instruction set, for
@@ -750,14 +781,14 @@ static void rope_scores(const float *q_pe, const float *k, int r, int h, float *
             memcpy(q + 1, q_pe + (size_t)(i + 1) * h + j, sizeof q[0]);
             memcpy(q + 2, q_pe + (size_t)(i + 2) * h + j, sizeof q[0]);
             memcpy(q + 3, q_pe + (size_t)(i + 3) * h + j, sizeof q[0]);
-            run0 += q[0] * ((v8f){0} + k[i]);
-            run1 += q[1] * ((v8f){0} + k[i + 1]);
-            run2 += q[2] * ((v8f){0} + k[i + 2]);
-            run3 += q[3] * ((v8f){0} + k[i + 3]);
+            run0 += q[0] * splat8(k[i]);
+            run1 += q[1] * splat8(k[i + 1]);
+            run2 += q[2] * splat8(k[i + 2]);
+            run3 += q[3] * splat8(k[i + 3]);
         }
         for (v8f *run[3] = {&run0, &run1, &run2}; i < r; i++) {  /* i mod 4 is 0, 1, 2 in turn */
             memcpy(q, q_pe + (size_t)i * h + j, sizeof q[0]);
-            *run[i % 4] += q[0] * ((v8f){0} + k[i]);
+            *run[i % 4] += q[0] * splat8(k[i]);
         }
         v8f total = (run0 + run1) + (run2 + run3);
         memcpy(out + j, &total, sizeof total);
@@ -818,7 +849,7 @@ static float largest_of(const float *per_thread, int threads, int heads, int j) 
     return m;
 }
 
-/* phase 3, positions: exp(score - the head's largest), summed per chunk */
+/* phase 3, positions: exp(score - the head's largest) (exp_lanes), summed per chunk */
 static void exp_task(void *arg, int tid, int threads) {
     Attention *a = arg;
     int t0, t1, heads = a->d->heads, keys = a->keys, chunks = (keys + CHUNK - 1) / CHUNK;
@@ -827,7 +858,8 @@ static void exp_task(void *arg, int tid, int threads) {
         float largest = largest_of(a->largest, threads, heads, j), *s = a->scores + (size_t)j * keys;
         for (int c0 = t0; c0 < t1; c0 += CHUNK) {
             float total = 0;
-            for (int t = c0; t < MIN(c0 + CHUNK, t1); t++) { s[t] = expf(s[t] - largest); total += s[t]; }
+            exp_run(s + c0, MIN(c0 + CHUNK, t1) - c0, largest, s + c0);
+            for (int t = c0; t < MIN(c0 + CHUNK, t1); t++) total += s[t];
             a->chunk_sums[(size_t)j * chunks + c0 / CHUNK] = total;
         }
     }
@@ -933,6 +965,312 @@ static void attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, c
     run(output_task, &a);
 }
 
+/* ---- attention for a run of queries over one sequence's pages (a prompt's chunk, drafted tokens) ----------------
+   The queries' heads are rows (query i, head j: row i h + j), ROW_TILE rows a tile, and each thread takes whole
+   tiles: no phase waits on another thread. A tile's latent queries are interleaved, four codes of one row a lane,
+   so that a cached row's four codes, broadcast, meet LANES rows in one dot4 (the scores are a product of the tile and the cache, read once a tile);
+   the probability bytes of four positions are interleaved a word a row, and a page's codes four positions a lane
+   (interleave4, as values() takes them), so that one dot4 adds four positions' products for a run of columns (the
+   values are a product too). Every row takes exactly the float steps, in the same order, that attention() takes for
+   its query alone, and the integer sums are exact: each query's result is the one it gets alone. */
+
+#define ROW_TILE VBYTES            /* rows of a tile: one probability byte a row fills a vector */
+#define ROW_VECTORS 4              /* vectors of a tile's rows (ROW_TILE / LANES) */
+#define SCORE_POSITIONS (VBYTES == 64 ? 4 : 2)  /* cached positions a pass of block_scores() takes */
+#define VALUE_ROWS (VBYTES == 64 ? 4 : 2)       /* rows a pass of block_values() takes */
+
+typedef struct {
+    const K2Dims *d; const K2Layer *l; const K2Pages *pages; const int64_t *table;
+    int n;                    /* queries */
+    const int *pos;           /* [n] query i at position pos[i]: it attends to positions 0 .. pos[i] */
+    const float *q;           /* [n, h, d + r]: q_nope, q_pe (roped) per head */
+    float *out;               /* [n, h, v] */
+    int tiles;
+    char *own; size_t own_bytes;  /* thread t's own scratch: own + t * own_bytes */
+} Block;
+
+typedef struct {              /* one tile's scratch */
+    Quant nope, lat, back;
+    float *q_lat, *x;         /* [c] */
+    int8_t *codes;            /* [c / 4, ROW_TILE, 4] the rows' latent query codes, four columns a lane */
+    float *scale, *q_pe;      /* [ROW_TILE] each row's latent query scale; [r, ROW_TILE] the rows' roped queries */
+    int32_t *sum;             /* [ROW_TILE] each row's latent query code sum */
+    int *keys;                /* [ROW_TILE] positions each row attends to (0 for a row past the queries) */
+    float *k_pe, *rope;       /* [r] a position's rope key, [ROW_TILE] its rope scores */
+    float *scores;            /* [keys, ROW_TILE]: scores, exponentials, probabilities */
+    float *probability_scale; /* [ROW_TILE] */
+    uint8_t *words;           /* [keys / 4, ROW_TILE, 4] probability bytes, four positions a row (interleave4) */
+    int8_t *quads;            /* [PAGE / 4, 4, VBYTES] a page's codes - 128 for a run of VBYTES columns */
+    int32_t *values;          /* [ROW_TILE, c] value sums, columns at value_slot */
+    int32_t *code_sums;       /* [c] codes summed over the positions taken (at value_slot), where DOT_BIAS < 128 */
+} Tile;
+
+static Tile tile_scratch(const K2Dims *d, Bump *b) {
+    Tile t;
+    int c = d->latent;
+    t.nope = quant(b, d->nope, d->nope); t.lat = quant(b, c, c); t.back = quant(b, c, c);
+    t.q_lat = take(b, c * 4); t.x = take(b, c * 4);
+    t.codes = take(b, (size_t)c * ROW_TILE);
+    t.scale = take(b, ROW_TILE * 4); t.q_pe = take(b, (size_t)d->rope * ROW_TILE * 4);
+    t.sum = take(b, ROW_TILE * 4); t.keys = take(b, ROW_TILE * 4);
+    t.k_pe = take(b, d->rope * 4); t.rope = take(b, ROW_TILE * 4);
+    t.scores = take(b, (size_t)d->max_len * ROW_TILE * 4);
+    t.probability_scale = take(b, ROW_TILE * 4);
+    t.words = take(b, ((size_t)d->max_len + 3) / 4 * ROW_TILE * 4);
+    t.quads = take(b, (size_t)PAGE * VBYTES);
+    t.values = take(b, (size_t)ROW_TILE * c * 4);
+    t.code_sums = take(b, (size_t)c * 4);
+    return t;
+}
+
+static size_t block_own_bytes(const K2Dims *d) {
+    char *base = (char *)64;  /* take() only counts: the sizes from an aligned base */
+    Bump b = {base};
+    tile_scratch(d, &b);
+    return (size_t)(b.at - base) + 64;
+}
+
+/* the tile's rows' latent queries (as absorb_task makes them), interleaved; their roped queries side by side ->
+   the most positions a row attends to */
+static int block_queries(const Block *a, int first, Tile *t) {
+    const K2Dims *d = a->d;
+    int h = d->heads, c = d->latent, qk = d->nope + d->rope, rows = a->n * h, most = 0;
+    memset(t->codes, 0, (size_t)c * ROW_TILE);
+    for (int rr = 0; rr < ROW_TILE; rr++) {
+        int row = first + rr;
+        if (row >= rows) {
+            t->keys[rr] = 0; t->scale[rr] = 0; t->sum[rr] = 0;
+            for (int k = 0; k < d->rope; k++) t->q_pe[(size_t)k * ROW_TILE + rr] = 0;
+            continue;
+        }
+        int j = row % h;
+        const float *q = a->q + (size_t)row * qk;
+        quantize(q, &t->nope);
+        columns_product(a->l->w_uk + (size_t)j * d->nope * c, a->l->uk_s + (size_t)j * c, c, &t->nope, t->q_lat);
+        quantize(t->q_lat, &t->lat);
+        for (int g = 0; g < c / 4; g++) memcpy(t->codes + ((size_t)g * ROW_TILE + rr) * 4, t->lat.q + 4 * g, 4);
+        t->scale[rr] = t->lat.s[0]; t->sum[rr] = t->lat.sum[0];
+        for (int k = 0; k < d->rope; k++) t->q_pe[(size_t)k * ROW_TILE + rr] = q[d->nope + k];
+        t->keys[rr] = a->pos[row / h] + 1;
+        most = MAX(most, t->keys[rr]);
+    }
+    return most;
+}
+
+/* out [ROW_TILE] = rope_scores() of the tile's rows (q_pe [r, ROW_TILE]) and one position's rope key k, the same
+   sums in the same order for each row, ROW_TILE rows a pass */
+static void tile_rope_scores(const float *q_pe, const float *k, int r, float *out) {
+    vf32 run[4][ROW_VECTORS];
+    for (int m = 0; m < 4; m++)
+        for (int v = 0; v < ROW_VECTORS; v++) run[m][v] = (vf32){0};
+    int i = 0;
+    for (; i + 4 <= r; i += 4)  /* the four runs by name: they stay in registers */
+        for (int m = 0; m < 4; m++) {
+            vf32 key = splat_f32(k[i + m]);
+            for (int v = 0; v < ROW_VECTORS; v++) run[m][v] += load_f32(q_pe + (size_t)(i + m) * ROW_TILE + LANES * v) * key;
+        }
+    for (; i < r; i++)
+        for (int v = 0; v < ROW_VECTORS; v++)
+            run[i % 4][v] += load_f32(q_pe + (size_t)i * ROW_TILE + LANES * v) * splat_f32(k[i]);
+    for (int v = 0; v < ROW_VECTORS; v++) store_f32(out + LANES * v, (run[0][v] + run[1][v]) + (run[2][v] + run[3][v]));
+}
+
+/* scores [keys, ROW_TILE]: each row's score of each position it attends to, as scores_task gives it (the integer
+   latent product times the two scales, plus the rope product, times the softmax scale) */
+static void block_scores(const Block *a, Tile *t, int keys) {
+    const K2Dims *d = a->d;
+    int c = d->latent;
+    for (int t0 = 0; t0 < keys; t0 += SCORE_POSITIONS) {
+        int count = MIN(SCORE_POSITIONS, keys - t0);
+        const uint8_t *row[SCORE_POSITIONS];
+        for (int p = 0; p < SCORE_POSITIONS; p++)
+            row[p] = a->pages->latent + cache_row_of(a->table, t0 + MIN(p, count - 1)) * c;
+        vi32 acc[SCORE_POSITIONS][ROW_VECTORS];
+        for (int p = 0; p < SCORE_POSITIONS; p++)
+            for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = (vi32){0};
+        for (int g = 0; g < c / 4; g++) {
+            vi8 q[ROW_VECTORS];
+            for (int v = 0; v < ROW_VECTORS; v++) q[v] = load_i8(t->codes + (size_t)g * ROW_TILE * 4 + VBYTES * v);
+            for (int p = 0; p < SCORE_POSITIONS; p++) {
+                vu8 w = (vu8)splat4(row[p] + 4 * g);
+                for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = dot4(acc[p][v], w, q[v]);
+            }
+        }
+        for (int p = 0; p < count; p++) {
+            size_t at = cache_row_of(a->table, t0 + p);
+            halves_to_floats(a->pages->rope + at * d->rope, d->rope, t->k_pe);
+            tile_rope_scores(t->q_pe, t->k_pe, d->rope, t->rope);
+            float token_scale = a->pages->scale[at];
+            float *s = t->scores + (size_t)(t0 + p) * ROW_TILE;
+            for (int v = 0; v < ROW_VECTORS; v++) {
+                vi32 sums = acc[p][v] - DOT_BIAS * load_i32(t->sum + LANES * v);
+                vf32 latent_score = __builtin_convertvector(sums, vf32) * load_f32(t->scale + LANES * v) * token_scale;
+                store_f32(s + LANES * v, (latent_score + load_f32(t->rope + LANES * v)) * d->softmax_scale);
+            }
+        }
+    }
+}
+
+/* the scores -> probabilities (softmax times each position's scale, as exp_task and probabilities_task give them)
+   -> their bytes (as values_task rounds them), interleaved four positions a row; 0 past a row's positions */
+static void block_probabilities(const Block *a, Tile *t, int keys) {
+    vf32 largest[ROW_VECTORS], total[ROW_VECTORS], peak[ROW_VECTORS];
+    vi32 row_keys[ROW_VECTORS];
+    for (int v = 0; v < ROW_VECTORS; v++) {
+        largest[v] = (vf32){0} - INFINITY; total[v] = (vf32){0}; peak[v] = (vf32){0};
+        row_keys[v] = load_i32(t->keys + LANES * v);
+    }
+    for (int p = 0; p < keys; p++)
+        for (int v = 0; v < ROW_VECTORS; v++) {
+            vf32 s = load_f32(t->scores + (size_t)p * ROW_TILE + LANES * v);
+            largest[v] = (vf32)pick((splat_i32(p) < row_keys[v]) & ~(largest[v] > s), (vi32)s, (vi32)largest[v]);
+        }
+    for (int c0 = 0; c0 < keys; c0 += CHUNK) {  /* exp(score - largest), summed a chunk at a time, the chunks in order */
+        vf32 chunk[ROW_VECTORS];
+        for (int v = 0; v < ROW_VECTORS; v++) chunk[v] = (vf32){0};
+        for (int p = c0; p < MIN(c0 + CHUNK, keys); p++)
+            for (int v = 0; v < ROW_VECTORS; v++) {
+                float *s = t->scores + (size_t)p * ROW_TILE + LANES * v;
+                vf32 e = (vf32)((vi32)exp_lanes(load_f32(s) - largest[v]) & (splat_i32(p) < row_keys[v]));
+                store_f32(s, e);
+                chunk[v] += e;
+            }
+        for (int v = 0; v < ROW_VECTORS; v++) total[v] += chunk[v];
+    }
+    for (int p = 0; p < keys; p++) {
+        float token_scale = a->pages->scale[cache_row_of(a->table, p)];
+        for (int v = 0; v < ROW_VECTORS; v++) {
+            float *s = t->scores + (size_t)p * ROW_TILE + LANES * v;
+            vf32 probability = load_f32(s) / total[v] * token_scale;
+            probability = (vf32)((vi32)probability & (splat_i32(p) < row_keys[v]));
+            store_f32(s, probability);
+            peak[v] = (vf32)pick(peak[v] > probability, (vi32)peak[v], (vi32)probability);
+        }
+    }
+    vf32 inverse[ROW_VECTORS];
+    const vf32 rounder = (vf32){0} + ROUNDER;
+    for (int v = 0; v < ROW_VECTORS; v++) {
+        vf32 scale = peak[v] / 255.0f, least = (vf32){0} + 1e-30f;
+        scale = (vf32)pick(scale > least, (vi32)scale, (vi32)least);
+        store_f32(t->probability_scale + LANES * v, scale);
+        inverse[v] = 1.0f / scale;
+    }
+    for (int p0 = 0; p0 < keys; p0 += 4) {
+        vi8 r[4], quad[4];
+        for (int k = 0; k < 4; k++) {
+            vi32 bytes[ROW_VECTORS];
+            for (int v = 0; v < ROW_VECTORS; v++) {
+                vi32 q = {0};
+                if (p0 + k < keys) {
+                    q = __builtin_convertvector((load_f32(t->scores + (size_t)(p0 + k) * ROW_TILE + LANES * v) *
+                                                 inverse[v] + rounder) - rounder, vi32);
+                    q = pick(q > 255, splat_i32(255), q);
+                    q = pick(q < 0, splat_i32(0), q);
+                }
+                bytes[v] = q;
+            }
+            for (int v = 0; v < ROW_VECTORS; v++) {
+                vq8 narrow = __builtin_convertvector(bytes[v], vq8);
+                memcpy((int8_t *)&r[k] + LANES * v, &narrow, LANES);
+            }
+        }
+        interleave4(r, quad);
+        for (int k = 0; k < 4; k++) memcpy(t->words + (size_t)p0 * ROW_TILE + VBYTES * k, &quad[k], VBYTES);
+    }
+}
+
+/* values [ROW_TILE, c] = each row's probability bytes times the codes - 128 of the positions it attends to, exact;
+   a page's codes interleaved once for the tile's rows, VALUE_ROWS rows a pass */
+static void block_values(const Block *a, Tile *t, int keys) {
+    int c_dim = a->d->latent;
+    memset(t->values, 0, (size_t)ROW_TILE * c_dim * 4);
+    memset(t->code_sums, 0, (size_t)c_dim * 4);
+    const vu8 ones = (vu8){0} + (uint8_t)(129 - DOT_BIAS);  /* dot4 takes them as 1 */
+    for (int t0 = 0; t0 < keys; t0 += PAGE) {
+        int rows = MIN(keys, t0 + PAGE) - t0, groups = (rows + 3) / 4;
+        const uint8_t *page = a->pages->latent + cache_row_of(a->table, t0) * c_dim;
+        for (int c = 0; c < c_dim; c += VBYTES) {
+            vi32 codes[4] = {{0}};
+            for (int g = 0; g < groups; g++) {
+                vi8 r[4], quad[4];
+                for (int k = 0; k < 4; k++)  /* a missing position: code 0 (its probability byte is 0 too) */
+                    r[k] = 4 * g + k < rows ? (vi8)(load_u8(page + (size_t)(4 * g + k) * c_dim + c) ^ 0x80) : (vi8){0};
+                interleave4(r, quad);
+                for (int k = 0; k < 4; k++) {
+                    memcpy(t->quads + ((size_t)g * 4 + k) * VBYTES, &quad[k], VBYTES);
+                    if (DOT_BIAS != 128) codes[k] = dot4(codes[k], ones, quad[k]);
+                }
+            }
+            for (int k = 0; k < 4; k++) store_i32(t->code_sums + c + LANES * k, load_i32(t->code_sums + c + LANES * k) + codes[k]);
+            for (int r0 = 0; r0 < ROW_TILE; r0 += VALUE_ROWS) {
+                vi32 acc[VALUE_ROWS][4];
+                for (int j = 0; j < VALUE_ROWS; j++)
+                    for (int k = 0; k < 4; k++) acc[j][k] = (vi32){0};
+                const uint8_t *words = t->words + (size_t)t0 * ROW_TILE;
+                for (int g = 0; g < groups; g++) {
+                    vi8 quad[4];
+                    for (int k = 0; k < 4; k++) quad[k] = load_i8(t->quads + ((size_t)g * 4 + k) * VBYTES);
+                    for (int j = 0; j < VALUE_ROWS; j++) {
+                        vu8 w = (vu8)splat4(words + ((size_t)g * ROW_TILE + interleaved_slot(r0 + j)) * 4);
+                        for (int k = 0; k < 4; k++) acc[j][k] = dot4(acc[j][k], w, quad[k]);
+                    }
+                }
+                for (int j = 0; j < VALUE_ROWS; j++)
+                    for (int k = 0; k < 4; k++) {
+                        int32_t *out = t->values + (size_t)(r0 + j) * c_dim + c + LANES * k;
+                        store_i32(out, load_i32(out) + acc[j][k]);
+                    }
+            }
+        }
+    }
+}
+
+/* each row's value sums (plus (128 - DOT_BIAS) x the codes' sums: dot4 took the bytes as p - 128 + DOT_BIAS) times
+   its probability scale, quantised, through its head's W_UV (as output_task) */
+static void block_output(const Block *a, Tile *t, int first) {
+    const K2Dims *d = a->d;
+    int h = d->heads, c_dim = d->latent, rows = a->n * h;
+    for (int rr = 0; rr < ROW_TILE && first + rr < rows; rr++) {
+        int row = first + rr, j = row % h;
+        const int32_t *sums = t->values + (size_t)rr * c_dim;
+        float scale = t->probability_scale[rr];
+        for (int c = 0; c < c_dim; c++) {
+            int slot = value_slot(c_dim, c);
+            t->x[c] = (float)(sums[slot] + (128 - DOT_BIAS) * t->code_sums[slot]) * scale;
+        }
+        quantize(t->x, &t->back);
+        columns_product(a->l->w_uv + (size_t)j * c_dim * d->v, a->l->uv_s + (size_t)j * d->v, d->v, &t->back,
+                        a->out + (size_t)row * d->v);
+    }
+}
+
+static void block_task(void *arg, int tid, int threads) {
+    Block *a = arg;
+    Bump b = {a->own + a->own_bytes * tid};
+    Tile t = tile_scratch(a->d, &b);
+    for (int tile = tid; tile < a->tiles; tile += threads) {  /* every threads-th tile: later tiles attend further */
+        int keys = block_queries(a, tile * ROW_TILE, &t);
+        block_scores(a, &t, keys);
+        block_probabilities(a, &t, keys);
+        block_values(a, &t, keys);
+        block_output(a, &t, tile * ROW_TILE);
+    }
+}
+
+/* attention() for n queries of one sequence (query i at pos[i], its entry already in its page), q [n, h, d + r]
+   -> out [n, h, v]: each query's the one attention() gives it alone */
+static void block_attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, const int64_t *table, int n,
+                            const int *pos, const float *q, float *out, char *scratch) {
+    Block a = {.d = d, .l = l, .pages = pages, .table = table, .n = n, .pos = pos, .q = q, .out = out,
+               .tiles = (n * d->heads + ROW_TILE - 1) / ROW_TILE, .own = scratch, .own_bytes = block_own_bytes(d)};
+    run(block_task, &a);
+}
+
+/* the attention's scratch for `threads` threads, in bytes: a query's alone, or a run's tiles */
+static size_t step_attention_bytes(const K2Dims *d, int threads) {
+    return MAX(attention_bytes(d, threads), (size_t)threads * block_own_bytes(d) + 64);
+}
+
 /* ---- routing ---------------------------------------------------------------------------------------------- */
 
 typedef struct { const float *router, *x; float *scores; int experts, hidden, batch; } Router; /* x [batch, m] */
@@ -1001,7 +1339,7 @@ long k2_scratch_floats(const K2Model *m, int threads, int batch) {
                           (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
                           (size_t)(d->top_k + 8) * (64 * 8 + 2 * sizeof(Quant) + 8 * sizeof(void *) + 2 * sizeof(K2Lin)) +
                           experts * 4;
-    size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + attention_bytes(d, threads) +
+    size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + step_attention_bytes(d, threads) +
                    (size_t)4 * 4096;
     return (long)(bytes / 4 + 1);
 }
@@ -1195,8 +1533,19 @@ static void layer_step(const K2Dims *d, const K2Layer *l, int batch, float *x, c
     for (int s = 0; s < batch; s++) {
         float *q_s = q + (size_t)s * heads * qk;
         for (int h = 0; h < heads; h++) rope(q_s + (size_t)h * qk + d->nope, d->rope, l->frequencies, pos[s], d->rope_scale);
-        attention(d, l, pages, tables + (size_t)s * table_len, pos[s] + 1, q_s, attended + (size_t)s * heads * d->v,
-                  attention_scratch);
+    }
+    for (int s = 0, n; s < batch; s += n) {  /* runs of sequences over the same pages (a prompt's tokens) */
+        const int64_t *table = tables + (size_t)s * table_len;
+        for (n = 1; s + n < batch && !memcmp(table, table + (size_t)n * table_len, (size_t)table_len * 8); n++) {}
+        int threads = pool.threads ? pool.threads : 1;
+        if (n * heads >= ROW_TILE * threads && d->latent % VBYTES == 0) {  /* enough rows for a tile a thread */
+            block_attention(d, l, pages, table, n, pos + s, q + (size_t)s * heads * qk,
+                            attended + (size_t)s * heads * d->v, attention_scratch);
+            continue;
+        }
+        for (int i = s; i < s + n; i++)
+            attention(d, l, pages, tables + (size_t)i * table_len, pos[i] + 1, q + (size_t)i * heads * qk,
+                      attended + (size_t)i * heads * d->v, attention_scratch);
     }
     float *o = take(&b, (size_t)batch * m * 4);
     one_product(&l->o, batch, quantize_rows(attended, batch, heads * d->v, NULL, 0, l->o.block, &b), o);
@@ -1211,7 +1560,7 @@ static void layer_step(const K2Dims *d, const K2Layer *l, int batch, float *x, c
 
 static Bump step_scratch(const K2Model *m, float *scratch) {
     int threads = pool.threads ? pool.threads : 1;
-    Bump b = {(char *)scratch + attention_bytes(&m->d, threads)};
+    Bump b = {(char *)scratch + step_attention_bytes(&m->d, threads)};
     b.at = (char *)(((uintptr_t)b.at + 63) / 64 * 64);
     return b;
 }
@@ -1260,6 +1609,27 @@ long k2_contract(int what) {
                            sizeof(K2Layer), sizeof(K2Model), sizeof(K2Pages)};
     return what >= 0 && what < (int)(sizeof values / sizeof values[0]) ? values[what] : -1;
 }
+
+/* the int8 multiply-add peak of one thread at this level: `rounds` passes of PEAK_CHAINS independent dot4 chains
+   (VBYTES multiply-adds each) over values held in registers -> a checksum (so that nothing is left out); the
+   caller times it (benchmarks/int8_peak.py) */
+#define PEAK_CHAINS 16
+long k2_dot4_peak(long rounds) {
+    vi32 acc[PEAK_CHAINS];
+    vu8 w = (vu8){0} + (uint8_t)(rounds | 1);
+    vi8 x = (vi8){0} + (int8_t)3;
+    for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = splat_i32(c);
+    for (long i = 0; i < rounds; i++) {
+        for (int c = 0; c < PEAK_CHAINS; c++) acc[c] = dot4(acc[c], w, x);
+        __asm__ volatile("" : "+x"(w), "+x"(x));  /* the operands stay unknown to the compiler: every dot4 runs */
+    }
+    long total = 0;
+    for (int c = 0; c < PEAK_CHAINS; c++) total += sum_lanes(acc[c]);
+    return total;
+}
+
+/* multiply-adds one k2_dot4_peak round takes */
+long k2_dot4_peak_width(void) { return (long)PEAK_CHAINS * VBYTES; }
 
 /* the instruction set the products were built for (runtime/backends/native/isa.h) */
 const char *k2_isa(void) { return K2_ISA; }

@@ -79,6 +79,7 @@ static inline vf32 load_f32(const void *p) { vf32 v; memcpy(&v, p, VBYTES); retu
 static inline void store_i32(void *p, vi32 v) { memcpy(p, &v, VBYTES); }
 static inline void store_f32(void *p, vf32 v) { memcpy(p, &v, VBYTES); }
 static inline vi32 splat_i32(int32_t x) { return (vi32){0} + x; }
+static inline vf32 splat_f32(float x) { vf32 v = {x}; return __builtin_shuffle(v, (vi32){0}); }  /* x itself (not 0 + x) */
 static inline vi8 splat4(const void *four) { int32_t x; memcpy(&x, four, 4); return (vi8)splat_i32(x); }
 static inline int32_t sum_lanes(vi32 v) {  /* integers: any order gives the same sum */
 #if VBYTES == 64
