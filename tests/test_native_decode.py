@@ -449,12 +449,17 @@ def test_a_request_whose_grammar_or_sampler_fails_fails_alone(tiny_cpu_artifact)
     assert loop.scheduler.running() == [] and loop.cache.pool.used == 0
 
 
+@pytest.mark.parametrize("experts", ["int8", "int4"])
 @pytest.mark.parametrize("chunk", [1, 64])
-def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_artifact, chunk):
+def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_artifact, tiny_int4_cpu_artifact, chunk,
+                                                                   experts):
     """A 300-token prompt through the native step whole (up to 512 tokens a step), or 64 or 1 token a step: the
-    same cache entries and the same logits at every position, to the bit."""
-    native = _native_or_skip(tiny_cpu_artifact).native
-    model = load_model(load_manifest(tiny_cpu_artifact), decode="native")
+    same cache entries and the same logits at every position, to the bit. One token a step takes the attention of a
+    query alone and each product one input at a time; a chunk takes the attention in row tiles and the products
+    several inputs a pass (int8 and 4-bit experts alike)."""
+    artifact = tiny_cpu_artifact if experts == "int8" else tiny_int4_cpu_artifact
+    native = _native_or_skip(artifact).native
+    model = load_model(load_manifest(artifact), decode="native")
     prompt = np.random.default_rng(5).integers(2, 1000, 300)
     table = np.arange(5)
 

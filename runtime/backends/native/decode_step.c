@@ -499,6 +499,36 @@ static void tile_dot_int4(const uint8_t *w, const float *ws, const Quant *a, flo
     for (int v = 0; v < TILE_VECTORS; v++) store_f32(y + LANES * v, acc[v]);
 }
 
+/* tile_dot_int4 for INPUT_BLOCK inputs at once (as tile_dot_inputs for tile_dot): each code vector is loaded and
+   split into its nibbles once for all of them, and each input's sums and float steps are exactly tile_dot_int4's */
+static void tile_dot_int4_inputs(const uint8_t *w, const float *ws, const Quant *a, float *const *y) {
+    int groups = a[0].k / a[0].block, pairs = a[0].block / 8;
+    for (int i = 0; i < INPUT_BLOCK; i++) memset(y[i], 0, TILE * sizeof(float));
+    for (int j = 0; j < groups; j++) {
+        vi32 sum[TILE_VECTORS][INPUT_BLOCK];
+        for (int v = 0; v < TILE_VECTORS; v++)
+            for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = (vi32){0};
+        for (int g = j * pairs; g < (j + 1) * pairs; g++) {
+            vi8 low[INPUT_BLOCK], high[INPUT_BLOCK];
+            for (int i = 0; i < INPUT_BLOCK; i++) { low[i] = splat4(a[i].q + 8 * g); high[i] = splat4(a[i].q + 8 * g + 4); }
+            const uint8_t *rows = w + (size_t)g * TILE * 4;
+            for (int v = 0; v < TILE_VECTORS; v++) {
+                vu8 codes = load_u8(rows + VBYTES * v), lo = codes & 0x0F, hi = codes >> 4;
+                for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = dot4_small(dot4_small(sum[v][i], lo, low[i]), hi, high[i]);
+            }
+        }
+        for (int i = 0; i < INPUT_BLOCK; i++) {
+            int32_t zero = 8 * a[i].sum[j];
+            float scale = a[i].s[j];
+            for (int v = 0; v < TILE_VECTORS; v++) {
+                vf32 acc = load_f32(y[i] + LANES * v);
+                acc += __builtin_convertvector(sum[v][i] - zero, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
+                store_f32(y[i] + LANES * v, acc);
+            }
+        }
+    }
+}
+
 #define COLUMN_VECTORS 8  /* vectors of columns columns_product() takes in one pass */
 
 /* columns j0 .. j0 + count LANES - 1 of columns_product(); count a constant where it is called, so that the
@@ -546,27 +576,39 @@ typedef struct {            /* products whose rows are taken as one run split ov
     float *const *out;        /* [parts] -> [count[i], lin[i].n] */
 } Products;
 
+#define TILE_READ_COST 2  /* a tile's cost in inputs' products, for reading its weights (products_task) */
+
+/* the first of part's `count` tiles whose owner is thread `owner` or later: tile t's owner is the thread whose share of
+   the products' cost holds the middle of t's cost (TILE_READ_COST + its inputs), `before` the parts' cost ahead */
+static int first_tile_of(int owner, int threads, long long total, long long before, int inputs, int count) {
+    long long cost = TILE_READ_COST + inputs, need = (long long)owner * 2 * total - (2 * before + cost) * threads;
+    if (need <= 0) return 0;
+    long long t = (need + 2 * cost * threads - 1) / (2 * cost * threads);
+    return t < count ? (int)t : count;
+}
+
 static void products_task(void *arg, int tid, int threads) {
     const Products *p = arg;
-    int total = 0;
-    for (int i = 0; i < p->parts; i++) total += (int)tiles(p->lin[i].n);
-    int start, stop;
-    share(total, tid, threads, &start, &stop);
+    long long total = 0, before = 0;  /* split by cost, not by tiles: an expert many inputs chose costs more */
+    for (int i = 0; i < p->parts; i++) total += (long long)tiles(p->lin[i].n) * (TILE_READ_COST + p->count[i]);
     float y[TILE];
-    int base = 0;
     for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of tiles streams in order */
         const K2Lin *l = &p->lin[i];
-        int count = (int)tiles(l->n), lo = start > base ? start - base : 0, hi = stop - base < count ? stop - base : count;
+        int count = (int)tiles(l->n);
+        int lo = first_tile_of(tid, threads, total, before, p->count[i], count);
+        int hi = first_tile_of(tid + 1, threads, total, before, p->count[i], count);
+        before += (long long)count * (TILE_READ_COST + p->count[i]);
         for (int t = lo; t < hi; t++) {
             const uint8_t *w = l->w + (size_t)t * TILE * l->k / (8 / l->bits);
             const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
             int rows = MIN(TILE, l->n - t * TILE);
             int j = 0;
-            if (l->bits == 8 && rows == TILE)  /* inputs INPUT_BLOCK at a time, each weight loaded once for them */
+            if (rows == TILE)  /* inputs INPUT_BLOCK at a time, each weight loaded once for them */
                 for (; j + INPUT_BLOCK <= p->count[i]; j += INPUT_BLOCK) {
                     float *outs[INPUT_BLOCK];
                     for (int b = 0; b < INPUT_BLOCK; b++) outs[b] = p->out[i] + (size_t)(j + b) * l->n + (size_t)t * TILE;
-                    tile_dot_inputs(w, ws, &p->in[i][j], outs);
+                    if (l->bits == 4) tile_dot_int4_inputs(w, ws, &p->in[i][j], outs);
+                    else tile_dot_inputs(w, ws, &p->in[i][j], outs);
                 }
             for (; j < p->count[i]; j++) {
                 float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE, *into = rows == TILE ? out : y;
@@ -575,7 +617,6 @@ static void products_task(void *arg, int tid, int threads) {
                 if (into != out) memcpy(out, y, rows * sizeof(float));
             }
         }
-        base += count;
     }
 }
 
@@ -589,13 +630,23 @@ typedef struct {            /* y [batch, rows]: y[s, r] = sum over t of weight[s
 static void combine_task(void *arg, int tid, int threads) {
     const Combine *c = arg;
     int start, stop;
-    share(c->rows, tid, threads, &start, &stop);
-    for (int s = 0; s < c->batch; s++)
-        for (int r = start; r < stop; r++) {
-            float y = 0;
-            for (int t = 0; t < c->terms; t++) y += c->weight[s * c->terms + t] * c->term[s * c->terms + t][r];
-            c->y[(size_t)s * c->rows + r] = y;
+    share((c->rows + LANES - 1) / LANES, tid, threads, &start, &stop);  /* a vector of rows at a time */
+    start *= LANES; stop = MIN(stop * LANES, c->rows);
+    for (int s = 0; s < c->batch; s++) {
+        const float *weight = c->weight + (size_t)s * c->terms, *const *term = c->term + (size_t)s * c->terms;
+        float *y = c->y + (size_t)s * c->rows;
+        int r = start;
+        for (; r + LANES <= stop; r += LANES) {
+            vf32 sum = {0};
+            for (int t = 0; t < c->terms; t++) sum += splat_f32(weight[t]) * load_f32(term[t] + r);
+            store_f32(y + r, sum);
         }
+        for (; r < stop; r++) {
+            float sum = 0;
+            for (int t = 0; t < c->terms; t++) sum += weight[t] * term[t][r];
+            y[r] = sum;
+        }
+    }
 }
 
 /* ---- scratch -------------------------------------------------------------------------------------------- */
@@ -607,6 +658,28 @@ static Quant quant(Bump *b, int k, int block) {
     return a;
 }
 
+/* fn(arg, row, own) for rows 0 .. rows - 1, split over the pool where there are enough of them (a prompt's tokens,
+   a batch); own: the calling thread's own `own_bytes` of scratch. Each row's work is its own: the split changes no
+   result. */
+#define ROWS_TO_SHARE 8
+#define EACH_ROW_CALLS 16  /* each_row calls a step makes at most between two resets of its scratch (a layer) */
+typedef void (*RowWork)(void *arg, int row, char *own);
+typedef struct { RowWork fn; void *arg; int rows; char *own; size_t own_bytes; } EachRow;
+
+static void each_row_task(void *arg, int tid, int threads) {
+    const EachRow *e = arg;
+    int start, stop;
+    share(e->rows, tid, threads, &start, &stop);
+    for (int row = start; row < stop; row++) e->fn(e->arg, row, e->own + e->own_bytes * tid);
+}
+
+static void each_row(RowWork fn, void *arg, int rows, size_t own_bytes, Bump *b) {
+    int threads = pool.threads ? pool.threads : 1;
+    EachRow e = {fn, arg, rows, take(b, (size_t)threads * ((own_bytes + 63) / 64 * 64)), (own_bytes + 63) / 64 * 64};
+    if (rows < ROWS_TO_SHARE) each_row_task(&e, 0, 1);
+    else run(each_row_task, &e);
+}
+
 /* ---- pieces --------------------------------------------------------------------------------------------- */
 
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
@@ -616,11 +689,18 @@ static void rms_norm(const float *x, const float *w, int n, float eps, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * inverse * w[i];
 }
 
-/* interleaved pairs (x[2i], x[2i+1]) rotated by pos * frequency i, cos and sin scaled (export/rope.py) */
-static void rope(float *x, int r, const float *frequencies, int pos, float scale) {
+/* turns [r]: the cos and sin of pos * frequency i, scaled (export/rope.py), for each pair i: one position's rope */
+static void rope_turns(const float *frequencies, int r, int pos, float scale, float *turns) {
     for (int i = 0; i < r / 2; i++) {
-        float angle = (float)pos * frequencies[i], c = cosf(angle) * scale, s = sinf(angle) * scale;
-        float even = x[2 * i], odd = x[2 * i + 1];
+        float angle = (float)pos * frequencies[i];
+        turns[2 * i] = cosf(angle) * scale; turns[2 * i + 1] = sinf(angle) * scale;
+    }
+}
+
+/* interleaved pairs (x[2i], x[2i+1]) rotated by rope_turns' pair i */
+static void rope(float *x, int r, const float *turns) {
+    for (int i = 0; i < r / 2; i++) {
+        float c = turns[2 * i], s = turns[2 * i + 1], even = x[2 * i], odd = x[2 * i + 1];
         x[2 * i] = even * c - odd * s; x[2 * i + 1] = odd * c + even * s;
     }
 }
@@ -1325,25 +1405,6 @@ static void route(const K2Dims *d, const float *scores, const float *bias, int e
 
 /* ---- the step ----------------------------------------------------------------------------------------------- */
 
-/* floats of scratch a step of up to `batch` sequences needs */
-long k2_scratch_floats(const K2Model *m, int threads, int batch) {
-    const K2Dims *d = &m->d;
-    size_t widest = d->hidden, experts = 0;
-    for (int i = 0; i < m->layers; i++) {
-        const K2Layer *l = &m->layer[i];
-        size_t rows = l->moe ? (size_t)2 * l->width * (d->top_k + 1) : (size_t)2 * l->width;
-        if (rows > widest) widest = rows;
-        if (l->moe && (size_t)l->experts > experts) experts = l->experts;
-    }
-    size_t per_sequence = (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
-                          (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
-                          (size_t)(d->top_k + 8) * (64 * 8 + 2 * sizeof(Quant) + 8 * sizeof(void *) + 2 * sizeof(K2Lin)) +
-                          experts * 4;
-    size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + step_attention_bytes(d, threads) +
-                   (size_t)4 * 4096;
-    return (long)(bytes / 4 + 1);
-}
-
 /* the routed experts as products' parts: each expert that any sequence of the batch chose, once, its inputs in
    the order the choices come (sequence by sequence, best first) */
 typedef struct {
@@ -1381,19 +1442,73 @@ static Experts group_experts(const K2Dims *d, const K2Layer *l, int batch, const
     return x;
 }
 
-/* silu(gate) * up of `count` rows of gate and up -> their int8 inputs of the down product (of `bits` a code) */
-static Quant *activations(const float *gate, const float *up, size_t stride, int step, int count, int width,
-                          int block, int bits, Bump *b) {
-    Quant *h = take(b, count * sizeof(Quant));
-    float *act = take(b, width * 4);
-    for (int j = 0; j < count; j++) {
-        const float *g = gate + (size_t)j * stride, *u = up + (size_t)j * stride;
-        for (int i = 0; i < width; i++) act[i] = silu(g[(size_t)step * i]) * u[(size_t)step * i];
-        h[j] = quant(b, width, block);
-        quantize(act, &h[j]);
-        if (bits == 4) by_nibbles(&h[j]);
+typedef struct { const float *x, *w; int k; float eps; Quant *q; } Rows;
+
+static void quantize_row(void *arg, int row, char *own) {
+    const Rows *r = arg;
+    const float *x = r->x + (size_t)row * r->k;
+    if (r->w) { rms_norm(x, r->w, r->k, r->eps, (float *)own); x = (const float *)own; }
+    quantize(x, &r->q[row]);
+}
+
+/* x [batch, k] rows, each normalised by w (NULL: as it is) and quantised in blocks -> [batch] int8 inputs */
+static Quant *quantize_rows(const float *x, int batch, int k, const float *w, float eps, int block, Bump *b) {
+    Quant *q = take(b, batch * sizeof(Quant));
+    for (int s = 0; s < batch; s++) q[s] = quant(b, k, block);
+    Rows rows = {x, w, k, eps, q};
+    each_row(quantize_row, &rows, batch, (size_t)k * 4, b);
+    return q;
+}
+
+typedef struct {            /* SwiGLU's activations of `count` inputs (gate and up rows of `width`, every `step`-th
+                               value from gate and up, input j at j x stride) -> their inputs of the down product */
+    const float *gate, *up; size_t stride; int step, count, width, bits;
+    Quant *h;                 /* [count] */
+} Activations;
+
+typedef struct { int parts; const Activations *part; const int *first; } AllActivations;  /* first [parts + 1] */
+
+static void activation_row(void *arg, int row, char *own) {
+    const AllActivations *all = arg;
+    int lo = 0, hi = all->parts - 1;
+    while (lo < hi) {  /* the part that holds this row */
+        int mid = (lo + hi + 1) / 2;
+        if (all->first[mid] <= row) lo = mid; else hi = mid - 1;
     }
-    return h;
+    const Activations *a = &all->part[lo];
+    int j = row - all->first[lo];
+    const float *g = a->gate + (size_t)j * a->stride, *u = a->up + (size_t)j * a->stride;
+    float *act = (float *)own;
+    for (int i = 0; i < a->width; i++) act[i] = silu(g[(size_t)a->step * i]) * u[(size_t)a->step * i];
+    quantize(act, &a->h[j]);
+    if (a->bits == 4) by_nibbles(&a->h[j]);
+}
+
+/* each part's activations (silu(gate) * up, quantised in blocks of `block`), over the pool */
+static void activations(Activations *part, int parts, int block, int widest, Bump *b) {
+    int *first = take(b, (size_t)(parts + 1) * 4);
+    first[0] = 0;
+    for (int u = 0; u < parts; u++) {
+        part[u].h = take(b, part[u].count * sizeof(Quant));
+        for (int j = 0; j < part[u].count; j++) part[u].h[j] = quant(b, part[u].width, block);
+        first[u + 1] = first[u] + part[u].count;
+    }
+    AllActivations all = {parts, part, first};
+    each_row(activation_row, &all, first[parts], (size_t)widest * 4, b);
+}
+
+typedef struct {
+    const K2Dims *d; const K2Layer *l; const float *scores, *xn; int *chosen; float *weight; int terms; Quant *xe;
+} Routing;
+
+static void route_row(void *arg, int s, char *own) {  /* sequence s's experts and weights, and its input to them */
+    (void)own;
+    const Routing *r = arg;
+    int k = r->d->top_k;
+    route(r->d, r->scores + (size_t)s * r->l->experts, r->l->bias, r->l->experts, r->chosen + s * k,
+          r->weight + s * r->terms);
+    quantize(r->xn + (size_t)s * r->d->hidden, &r->xe[s]);
+    if (r->l->bits == 4) by_nibbles(&r->xe[s]);
 }
 
 /* xn [batch, m] -> y [batch, m]: the dense MLP, or the routed experts and the shared one. Each matrix is read once
@@ -1410,12 +1525,9 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
         Router r = {l->router, xn, scores, l->experts, m, batch};
         run(router_task, &r);
         xe = take(&b, batch * sizeof(Quant));
-        for (int s = 0; s < batch; s++) {
-            route(d, scores + (size_t)s * l->experts, l->bias, l->experts, chosen + s * k, weight + s * terms);
-            xe[s] = quant(&b, m, l->block);
-            quantize(xn + (size_t)s * m, &xe[s]);
-            if (l->bits == 4) by_nibbles(&xe[s]);
-        }
+        for (int s = 0; s < batch; s++) xe[s] = quant(&b, m, l->block);
+        Routing routing = {d, l, scores, xn, chosen, weight, terms, xe};
+        each_row(route_row, &routing, batch, 0, &b);
         x = group_experts(d, l, batch, chosen, &b);
     }
     /* gate and up: each expert's rows times its inputs, then (dense, or shared expert) every sequence's */
@@ -1432,11 +1544,7 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
         out[u] = take(&b, (size_t)x.count[u] * x.up[u].n * 4);
     }
     if (dense) {
-        Quant *xd = take(&b, batch * sizeof(Quant));
-        for (int s = 0; s < batch; s++) {
-            xd[s] = quant(&b, m, l->gate.block);
-            quantize(xn + (size_t)s * m, &xd[s]);
-        }
+        Quant *xd = quantize_rows(xn, batch, m, NULL, 0, l->gate.block, &b);
         for (int i = 0; i < 2; i++) {
             lin[x.parts + i] = i ? l->up : l->gate; count[x.parts + i] = batch; in[x.parts + i] = xd;
             out[x.parts + i] = take(&b, (size_t)batch * l->gate.n * 4);
@@ -1451,16 +1559,23 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
     const Quant **down_in = take(&b, down_parts * sizeof(Quant *));
     float **down_out = take(&b, down_parts * sizeof(float *));
     const float **term = take(&b, (size_t)batch * terms * sizeof(float *));
-    for (int u = 0; u < x.parts; u++) {  /* the gate and up rows interleaved */
-        down_lin[u] = x.down[u]; down_count[u] = x.count[u];
-        down_in[u] = activations(out[u], out[u] + 1, x.up[u].n, 2, x.count[u], l->width, l->block, l->bits, &b);
+    Activations *act = take(&b, (size_t)(x.parts + 1) * sizeof(Activations));
+    for (int u = 0; u < x.parts; u++)  /* the gate and up rows interleaved */
+        act[u] = (Activations){out[u], out[u] + 1, x.up[u].n, 2, x.count[u], l->width, l->bits, NULL};
+    if (x.parts) activations(act, x.parts, l->block, l->width, &b);
+    if (dense) {
+        Activations shared = {out[x.parts], out[x.parts + 1], l->gate.n, 1, batch, l->gate.n, 8, NULL};
+        activations(&shared, 1, l->down.block, l->gate.n, &b);
+        act[x.parts] = shared;
+    }
+    for (int u = 0; u < x.parts; u++) {
+        down_lin[u] = x.down[u]; down_count[u] = x.count[u]; down_in[u] = act[u].h;
         down_out[u] = take(&b, (size_t)x.count[u] * m * 4);
     }
     for (int i = 0; i < batch * k; i++)
         term[(i / k) * terms + i % k] = down_out[x.part[i]] + (size_t)x.slot[i] * m;
     if (dense) {
-        down_lin[x.parts] = l->down; down_count[x.parts] = batch;
-        down_in[x.parts] = activations(out[x.parts], out[x.parts + 1], l->gate.n, 1, batch, l->gate.n, l->down.block, 8, &b);
+        down_lin[x.parts] = l->down; down_count[x.parts] = batch; down_in[x.parts] = act[x.parts].h;
         down_out[x.parts] = take(&b, (size_t)batch * m * 4);
         for (int s = 0; s < batch; s++) {
             term[s * terms + k] = down_out[x.parts] + (size_t)s * m;
@@ -1473,11 +1588,12 @@ static void mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, f
     run(combine_task, &sum);
 }
 
-/* each sequence's new entry: latent normalised, quantised per token; rope key roped, float16; into its page */
+/* each sequence's new entry: latent normalised, quantised per token; rope key roped (turns: rope_turns), float16;
+   into its page */
 static void store_entry(const K2Dims *d, const K2Layer *l, float *kv, int pos, const int64_t *table,
-                        const K2Pages *pages, float *latent) {
+                        const K2Pages *pages, const float *turns, float *latent) {
     rms_norm(kv, l->kv_norm, d->latent, d->eps, latent);
-    rope(kv + d->latent, d->rope, l->frequencies, pos, d->rope_scale);
+    rope(kv + d->latent, d->rope, turns);
     size_t row = (size_t)table[pos / PAGE] * PAGE + pos % PAGE;
     float absmax = 0;
     for (int c = 0; c < d->latent; c++) absmax = MAX(absmax, fabsf(latent[c]));
@@ -1491,17 +1607,41 @@ static void store_entry(const K2Dims *d, const K2Layer *l, float *kv, int pos, c
     for (int i = 0; i < d->rope; i++) pages->rope[row * d->rope + i] = to_half(kv[d->latent + i]);
 }
 
-/* x [batch, k] rows, each normalised by w (NULL: as it is) and quantised in blocks -> [batch] int8 inputs */
-static Quant *quantize_rows(const float *x, int batch, int k, const float *w, float eps, int block, Bump *b) {
-    Quant *q = take(b, batch * sizeof(Quant));
-    float *normed = w ? take(b, k * 4) : NULL;
-    for (int s = 0; s < batch; s++) {
-        const float *row = x + (size_t)s * k;
-        if (w) { rms_norm(row, w, k, eps, normed); row = normed; }
-        q[s] = quant(b, k, block);
-        quantize(row, &q[s]);
-    }
-    return q;
+
+typedef struct {            /* each sequence's new entry and its rope turns [batch, r] */
+    const K2Dims *d; const K2Layer *l; float *kv; const int *pos; const int64_t *tables; int table_len;
+    const K2Pages *pages; float *turns;
+} Entries;
+
+static void entry_row(void *arg, int s, char *own) {
+    const Entries *e = arg;
+    const K2Dims *d = e->d;
+    float *turns = e->turns + (size_t)s * d->rope;
+    rope_turns(e->l->frequencies, d->rope, e->pos[s], d->rope_scale, turns);
+    store_entry(d, e->l, e->kv + (size_t)s * e->l->kv_a.n, e->pos[s], e->tables + (size_t)s * e->table_len, e->pages,
+                turns, (float *)own);
+}
+
+typedef struct { const K2Dims *d; float *q; const float *turns; } Queries;  /* q [batch, h, d + r] */
+
+static void query_rope_row(void *arg, int s, char *own) {
+    (void)own;
+    const Queries *e = arg;
+    const K2Dims *d = e->d;
+    int qk = d->nope + d->rope;
+    for (int h = 0; h < d->heads; h++)
+        rope(e->q + ((size_t)s * d->heads + h) * qk + d->nope, d->rope, e->turns + (size_t)s * d->rope);
+}
+
+typedef struct { const K2Dims *d; const K2Layer *l; float *x; const float *o; float *xn; } Residual;
+
+static void residual_row(void *arg, int s, char *own) {  /* x += o, xn = its post-attention norm */
+    (void)own;
+    const Residual *r = arg;
+    int m = r->d->hidden;
+    float *x = r->x + (size_t)s * m;
+    for (int i = 0; i < m; i++) x[i] += r->o[(size_t)s * m + i];
+    rms_norm(x, r->l->post_norm, m, r->d->eps, r->xn + (size_t)s * m);
 }
 
 static void one_product(const K2Lin *l, int batch, const Quant *in, float *out) {  /* out [batch, n] */
@@ -1524,16 +1664,14 @@ static void layer_step(const K2Dims *d, const K2Layer *l, int batch, float *x, c
     float *first_out[2] = {q_a, kv};
     Products first = {2, first_lin, first_count, first_in, first_out};
     run(products_task, &first);
-    float *latent = take(&b, d->latent * 4);
-    for (int s = 0; s < batch; s++)
-        store_entry(d, l, kv + (size_t)s * l->kv_a.n, pos[s], tables + (size_t)s * table_len, pages, latent);
+    float *turns = take(&b, (size_t)batch * d->rope * 4);
+    Entries entries = {d, l, kv, pos, tables, table_len, pages, turns};
+    each_row(entry_row, &entries, batch, (size_t)d->latent * 4, &b);
     float *q = take(&b, (size_t)batch * heads * qk * 4);
     one_product(&l->q_b, batch, quantize_rows(q_a, batch, l->q_a.n, l->q_norm, d->eps, l->q_b.block, &b), q);
+    Queries queries = {d, q, turns};
+    each_row(query_rope_row, &queries, batch, 0, &b);
     float *attended = take(&b, (size_t)batch * heads * d->v * 4);
-    for (int s = 0; s < batch; s++) {
-        float *q_s = q + (size_t)s * heads * qk;
-        for (int h = 0; h < heads; h++) rope(q_s + (size_t)h * qk + d->nope, d->rope, l->frequencies, pos[s], d->rope_scale);
-    }
     for (int s = 0, n; s < batch; s += n) {  /* runs of sequences over the same pages (a prompt's tokens) */
         const int64_t *table = tables + (size_t)s * table_len;
         for (n = 1; s + n < batch && !memcmp(table, table + (size_t)n * table_len, (size_t)table_len * 8); n++) {}
@@ -1550,12 +1688,32 @@ static void layer_step(const K2Dims *d, const K2Layer *l, int batch, float *x, c
     float *o = take(&b, (size_t)batch * m * 4);
     one_product(&l->o, batch, quantize_rows(attended, batch, heads * d->v, NULL, 0, l->o.block, &b), o);
     float *xn = take(&b, (size_t)batch * m * 4), *y = take(&b, (size_t)batch * m * 4);
-    for (int s = 0; s < batch; s++) {
-        for (int i = 0; i < m; i++) x[(size_t)s * m + i] += o[(size_t)s * m + i];
-        rms_norm(x + (size_t)s * m, l->post_norm, m, d->eps, xn + (size_t)s * m);
-    }
+    Residual residual = {d, l, x, o, xn};
+    each_row(residual_row, &residual, batch, 0, &b);
     mlp(d, l, batch, xn, y, b);
     for (size_t i = 0; i < (size_t)batch * m; i++) x[i] += y[i];
+}
+
+/* floats of scratch a step of up to `batch` sequences needs */
+long k2_scratch_floats(const K2Model *m, int threads, int batch) {
+    const K2Dims *d = &m->d;
+    size_t widest = d->hidden, experts = 0;
+    for (int i = 0; i < m->layers; i++) {
+        const K2Layer *l = &m->layer[i];
+        size_t rows = l->moe ? (size_t)2 * l->width * (d->top_k + 1) : (size_t)2 * l->width;
+        if (rows > widest) widest = rows;
+        if (l->moe && (size_t)l->experts > experts) experts = l->experts;
+    }
+    size_t per_sequence = (size_t)32 * (d->hidden + d->q_rank + d->latent + d->rope) * 4 +
+                          (size_t)8 * d->heads * (d->nope + d->rope + d->v) + widest * 16 +
+                          (size_t)(d->top_k + 8) * (64 * 8 + 2 * sizeof(Quant) + 8 * sizeof(void *) + 2 * sizeof(K2Lin)) +
+                          experts * 4;
+    size_t row = MAX(MAX(d->hidden, d->q_rank), MAX(d->latent, d->heads * d->v)) + 64;  /* each_row's own scratch */
+    for (int i = 0; i < m->layers; i++) row = MAX(row, (size_t)m->layer[i].width + 64);
+    size_t rows = (size_t)EACH_ROW_CALLS * threads * row * 4 + (size_t)batch * (d->top_k + 2) * (sizeof(Activations) + 4);
+    size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + step_attention_bytes(d, threads) +
+                   rows + (size_t)4 * 4096;
+    return (long)(bytes / 4 + 1);
 }
 
 static Bump step_scratch(const K2Model *m, float *scratch) {
