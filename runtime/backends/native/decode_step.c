@@ -434,6 +434,16 @@ static void tile_dot(const uint8_t *w, const float *ws, const Quant *a, float *y
 
 #define INPUT_BLOCK (VBYTES == 64 ? 4 : 2)  /* inputs tile_dot_inputs() takes at once */
 
+/* y [TILE] += one block's integer sums (sum[v * stride], v < TILE_VECTORS) less `less`, times the block's scales ws
+   [TILE] and the input's scale: the float steps of tile_dot's block */
+static inline void add_block(float *y, const vi32 *sum, int stride, int32_t less, float scale, const float *ws) {
+    for (int v = 0; v < TILE_VECTORS; v++) {
+        vf32 acc = load_f32(y + LANES * v);
+        acc += __builtin_convertvector(sum[v * stride] - less, vf32) * (load_f32(ws + LANES * v) * scale);
+        store_f32(y + LANES * v, acc);
+    }
+}
+
 /* tile_dot for INPUT_BLOCK inputs at once, y[i] [TILE] input i's: each weight vector is loaded once for all of
    them (a batch's or a prompt's tokens), and each input's sums and float steps are exactly tile_dot's */
 static void tile_dot_inputs(const uint8_t *w, const float *ws, const Quant *a, float *const *y) {
@@ -452,15 +462,8 @@ static void tile_dot_inputs(const uint8_t *w, const float *ws, const Quant *a, f
                 for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = dot4(sum[v][i], weights, x[i]);
             }
         }
-        for (int i = 0; i < INPUT_BLOCK; i++) {
-            int32_t bias = DOT_BIAS * a[i].sum[j];
-            float scale = a[i].s[j];
-            for (int v = 0; v < TILE_VECTORS; v++) {
-                vf32 acc = load_f32(y[i] + LANES * v);
-                acc += __builtin_convertvector(sum[v][i] - bias, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
-                store_f32(y[i] + LANES * v, acc);
-            }
-        }
+        for (int i = 0; i < INPUT_BLOCK; i++)
+            add_block(y[i], &sum[0][i], INPUT_BLOCK, DOT_BIAS * a[i].sum[j], a[i].s[j], ws + (size_t)j * TILE);
     }
 }
 
@@ -517,15 +520,8 @@ static void tile_dot_int4_inputs(const uint8_t *w, const float *ws, const Quant 
                 for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = dot4_small(dot4_small(sum[v][i], lo, low[i]), hi, high[i]);
             }
         }
-        for (int i = 0; i < INPUT_BLOCK; i++) {
-            int32_t zero = 8 * a[i].sum[j];
-            float scale = a[i].s[j];
-            for (int v = 0; v < TILE_VECTORS; v++) {
-                vf32 acc = load_f32(y[i] + LANES * v);
-                acc += __builtin_convertvector(sum[v][i] - zero, vf32) * (load_f32(ws + (size_t)j * TILE + LANES * v) * scale);
-                store_f32(y[i] + LANES * v, acc);
-            }
-        }
+        for (int i = 0; i < INPUT_BLOCK; i++)  /* less the zero point 8 */
+            add_block(y[i], &sum[0][i], INPUT_BLOCK, 8 * a[i].sum[j], a[i].s[j], ws + (size_t)j * TILE);
     }
 }
 
