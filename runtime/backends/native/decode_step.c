@@ -455,10 +455,14 @@ static void tile_dot_inputs(const uint8_t *w, const float *ws, const Quant *a, f
             for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = (vi32){0};
         for (int g = j * quads; g < (j + 1) * quads; g++) {
             vi8 x[INPUT_BLOCK];
-            for (int i = 0; i < INPUT_BLOCK; i++) x[i] = splat4(a[i].q + 4 * g);
+            for (int i = 0; i < INPUT_BLOCK; i++) {
+                x[i] = splat4(a[i].q + 4 * g);
+                HELD(x[i]);
+            }
             const uint8_t *rows = w + (size_t)g * TILE * 4;
             for (int v = 0; v < TILE_VECTORS; v++) {
                 vu8 weights = load_u8(rows + VBYTES * v);
+                HELD(weights);
                 for (int i = 0; i < INPUT_BLOCK; i++) sum[v][i] = dot4(sum[v][i], weights, x[i]);
             }
         }
@@ -827,6 +831,7 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
             for (int j = 0; j < count; j++) acc[j] = (vi32){0};
             for (int i = 0; i < c; i += VBYTES) {
                 vu8 row = load_u8(codes + i);
+                HELD(row);
                 for (int j = 0; j < count; j++) acc[j] = dot4(acc[j], row, load_i8(lat[j0 + j].q + i));
             }
             for (int j = 0; j < count; j++) sums[j0 + j] = sum_lanes(acc[j]) - DOT_BIAS * lat[j0 + j].sum[0];
@@ -1166,7 +1171,10 @@ static void block_scores(const Block *a, Tile *t, int keys) {
             for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = (vi32){0};
         for (int g = 0; g < c / 4; g++) {
             vi8 q[ROW_VECTORS];
-            for (int v = 0; v < ROW_VECTORS; v++) q[v] = load_i8(t->codes + (size_t)g * ROW_TILE * 4 + VBYTES * v);
+            for (int v = 0; v < ROW_VECTORS; v++) {
+                q[v] = load_i8(t->codes + (size_t)g * ROW_TILE * 4 + VBYTES * v);
+                HELD(q[v]);
+            }
             for (int p = 0; p < SCORE_POSITIONS; p++) {
                 vu8 w = (vu8)splat4(row[p] + 4 * g);
                 for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = dot4(acc[p][v], w, q[v]);
@@ -1285,7 +1293,10 @@ static void block_values(const Block *a, Tile *t, int keys) {
                 const uint8_t *words = t->words + (size_t)t0 * ROW_TILE;
                 for (int g = 0; g < groups; g++) {
                     vi8 quad[4];
-                    for (int k = 0; k < 4; k++) quad[k] = load_i8(t->quads + ((size_t)g * 4 + k) * VBYTES);
+                    for (int k = 0; k < 4; k++) {
+                        quad[k] = load_i8(t->quads + ((size_t)g * 4 + k) * VBYTES);
+                        HELD(quad[k]);
+                    }
                     for (int j = 0; j < VALUE_ROWS; j++) {
                         vu8 w = (vu8)splat4(words + ((size_t)g * ROW_TILE + interleaved_slot(r0 + j)) * 4);
                         for (int k = 0; k < 4; k++) acc[j][k] = dot4(acc[j][k], w, quad[k]);

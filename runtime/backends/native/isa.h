@@ -73,6 +73,15 @@ typedef int8_t vi8 __attribute__((vector_size(VBYTES)));
 typedef float vf32 __attribute__((vector_size(VBYTES)));
 
 static inline vu8 load_u8(const void *p) { vu8 v; memcpy(&v, p, VBYTES); return v; }
+/* a vector the compiler must hold in a register: one load for the several dot4 that take it (folded into each of
+   them as a memory operand, the load is repeated, and on AMD Zen 5 vpdpbusd from memory runs at half the rate) */
+#if defined(__x86_64__) || defined(__i386__)
+#define HELD(v) __asm__("" : "+v"(v))
+#elif defined(__aarch64__)
+#define HELD(v) __asm__("" : "+w"(v))
+#else
+#define HELD(v) ((void)0)
+#endif
 static inline vi8 load_i8(const void *p) { vi8 v; memcpy(&v, p, VBYTES); return v; }
 static inline vi32 load_i32(const void *p) { vi32 v; memcpy(&v, p, VBYTES); return v; }
 static inline vf32 load_f32(const void *p) { vf32 v; memcpy(&v, p, VBYTES); return v; }
