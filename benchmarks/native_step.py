@@ -32,8 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k2deploy.runtime.backends.native_build import ISA_VARIABLE, host_levels
-from thread_pools import counts, ensure_artifact
+from k2deploy.runtime.backends.native_build import ISA_VARIABLE
+from thread_pools import counts, ensure_artifact, isa_levels
 
 # argv: artifact threads steps contexts(comma-separated); prints {"step_ms": {T: ms}, "head_ms": ms}
 _CHILD = r"""
@@ -101,10 +101,7 @@ def main(argv=None) -> int:
     contexts, threads = counts(args.contexts, "contexts", parser), counts(args.threads, "threads", parser)
     if args.steps < 1 or args.rounds < 1:
         parser.error("--steps and --rounds: give at least 1")
-    levels = host_levels() if args.isa == "all" else [v.strip() for v in args.isa.split(",") if v.strip()]
-    unknown = [v for v in levels if v != "native" and v not in host_levels()]
-    if unknown or not levels:
-        parser.error(f"--isa {args.isa!r}: this CPU runs native, all or {', '.join(host_levels())}")
+    levels = isa_levels(args.isa, parser)
     artifact = ensure_artifact(args.artifact)
     configs = [(isa, t) for isa in levels for t in threads]
     runs = {config: [] for config in configs}

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.backends.native_build import ISA_VARIABLE, host_levels
-from thread_pools import counts, ensure_artifact
+from thread_pools import counts, ensure_artifact, isa_levels
 
 # argv: threads seconds; prints {"isa": ..., "per_thread": [GMAC/s ...]}
 _PEAK = r"""
@@ -166,10 +166,7 @@ def main(argv=None) -> int:
     batches = [] if args.batches.strip() == "0" else counts(args.batches, "batches", parser)
     if args.rounds < 1 or args.context < 0:
         parser.error("--rounds: give at least 1; --context: 0 or more")
-    levels = host_levels() if args.isa == "all" else [v.strip() for v in args.isa.split(",") if v.strip()]
-    unknown = [v for v in levels if v != "native" and v not in host_levels()]
-    if unknown or not levels:
-        parser.error(f"--isa {args.isa!r}: this CPU runs native, all or {', '.join(host_levels())}")
+    levels = isa_levels(args.isa, parser)
     artifact = ensure_artifact(args.artifact)
     config = load_manifest(artifact).config
     ids = [(i * 7919) % (config.vocab_size - 300) + 256 for i in range(max(prompts))]

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import stream_bound
 from k2deploy.core.manifest import load_manifest
+from k2deploy.runtime.backends.native_build import host_levels
 
 CONFIGS = {
     "one pool": "one global pool shared by every session (the runtime's choice), decode through the native step",
@@ -103,6 +104,14 @@ def counts(text: str, what: str, parser: argparse.ArgumentParser) -> list[int]:
     if not values or min(values) < 1:
         parser.error(f"--{what} {text!r}: give whole numbers of at least 1, comma-separated, such as 1,2")
     return values
+
+
+def isa_levels(text: str, parser: argparse.ArgumentParser) -> list[str]:
+    """--isa: native, all (every level this CPU runs) or levels comma-separated, or the parser's one-line error."""
+    levels = host_levels() if text == "all" else [v.strip() for v in text.split(",") if v.strip()]
+    if not levels or any(v != "native" and v not in host_levels() for v in levels):
+        parser.error(f"--isa {text!r}: this CPU runs native, all or {', '.join(host_levels())}")
+    return levels
 
 
 def ensure_artifact(path: Path | None) -> Path:
