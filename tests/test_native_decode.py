@@ -116,19 +116,36 @@ def test_each_layer_is_its_graph_to_float_rounding(tiny_cpu_artifact, tiny_int4_
         assert error < 1e-3 and codes <= 1, layer
 
 
+def chunked_prefill(artifact, chunk: int, length: int = 300) -> tuple[np.ndarray, dict]:
+    """A `length`-token prompt through the native step `chunk` tokens a step -> the logits at every position and the
+    cache's pools."""
+    model = load_model(load_manifest(artifact), decode="native")
+    prompt = np.random.default_rng(5).integers(2, 1000, length)
+    table = np.arange((length + 63) // 64)
+    store = model.new_store(len(table))
+    hidden = np.concatenate([model.native.steps(prompt[at:at + chunk], np.arange(at, min(at + chunk, length)),
+                                                np.repeat(table[None], len(prompt[at:at + chunk]), 0), store.arrays)
+                             for at in range(0, length, chunk)])
+    return model.native.logits(hidden), store.arrays
+
+
 _LEVEL_CHECK = """
 import json, sys
+import numpy as np
 import test_native_decode
-print(json.dumps(test_native_decode.layer_by_layer(sys.argv[1])))
+layers = test_native_decode.layer_by_layer(sys.argv[1])
+alone, together = (test_native_decode.chunked_prefill(sys.argv[1], chunk, 160)[0] for chunk in (1, 160))
+print(json.dumps({"layers": layers, "chunks_agree": bool(np.array_equal(alone, together))}))
 """
 
 
 @pytest.mark.parametrize("level", native_build.levels())
 def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, tiny_int4_cpu_artifact, level):
     """Each instruction-set level's build (its own -march, its own lowering of isa.h's dot4 and interleave4) gives
-    every layer the graph's output to float rounding and its cache entry within one int8 step, checked in a process
-    of its own for every level this CPU runs; a level it cannot run is a skip that names it (an AVX-512 host runs
-    them all)."""
+    every layer the graph's output to float rounding and its cache entry within one int8 step, and a prompt's logits
+    to the bit whether its tokens come one a step or all in one (its own row tiles and products of several inputs),
+    checked in a process of its own for every level this CPU runs; a level it cannot run is a skip that names it (an
+    AVX-512 host runs them all)."""
     if level not in native_build.host_levels():
         pytest.skip(f"this CPU cannot run the {level} build")
     env = child_env(Path(__file__).parent)
@@ -137,8 +154,10 @@ def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, 
         run = subprocess.run([sys.executable, "-c", _LEVEL_CHECK, str(artifact)], capture_output=True, text=True,
                              env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
-        for layer, (error, codes) in enumerate(json.loads(run.stdout.strip().splitlines()[-1])):
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        for layer, (error, codes) in enumerate(got["layers"]):
             assert error < 1e-3 and codes <= 1, (level, artifact.name, layer, error, codes)
+        assert got["chunks_agree"], (level, artifact.name)
 
 
 # One process per thread count (a process's pool is sized once): 156 native steps from an empty cache (three pages,
@@ -458,20 +477,9 @@ def test_a_prompt_chunked_any_way_gives_the_same_logits_to_the_bit(tiny_cpu_arti
     query alone and each product one input at a time; a chunk takes the attention in row tiles and the products
     several inputs a pass (int8 and 4-bit experts alike)."""
     artifact = tiny_cpu_artifact if experts == "int8" else tiny_int4_cpu_artifact
-    native = _native_or_skip(artifact).native
-    model = load_model(load_manifest(artifact), decode="native")
-    prompt = np.random.default_rng(5).integers(2, 1000, 300)
-    table = np.arange(5)
-
-    def prefill(size: int) -> tuple[np.ndarray, dict]:
-        store = model.new_store(5)
-        hidden = np.concatenate([native.steps(prompt[at:at + size], np.arange(at, min(at + size, len(prompt))),
-                                              np.repeat(table[None], len(prompt[at:at + size]), 0), store.arrays)
-                                 for at in range(0, len(prompt), size)])
-        return native.logits(hidden), store.arrays
-
-    whole, whole_cache = prefill(512)
-    chunked, chunked_cache = prefill(chunk)
+    _native_or_skip(artifact)
+    whole, whole_cache = chunked_prefill(artifact, 512)
+    chunked, chunked_cache = chunked_prefill(artifact, chunk)
     assert np.array_equal(whole, chunked)
     for name in whole_cache:
         assert np.array_equal(whole_cache[name], chunked_cache[name]), name

@@ -567,6 +567,52 @@ static void columns_product(const uint8_t *w, const float *ws, int n, const Quan
     }
 }
 
+#define COLUMN_INPUTS (VBYTES == 64 ? 4 : 2)  /* inputs columns_inputs() takes in one pass */
+#define COLUMN_GROUP 4                        /* vectors of columns a pass of columns_inputs() takes */
+
+/* columns j0 .. j0 + COLUMN_GROUP LANES - 1 of columns_inputs() for `inputs` inputs (a constant where it is called) */
+static inline __attribute__((always_inline)) void columns_inputs_pass(const uint8_t *w, const float *ws, int n,
+                                                                       const Quant *a, float *const *y, int j0,
+                                                                       const int inputs) {
+    vi32 acc[COLUMN_GROUP][COLUMN_INPUTS];
+    for (int v = 0; v < COLUMN_GROUP; v++)
+        for (int i = 0; i < inputs; i++) acc[v][i] = (vi32){0};
+    for (int g = 0; g < a[0].k / 4; g++) {
+        vi8 x[COLUMN_INPUTS];
+        for (int i = 0; i < inputs; i++) {
+            x[i] = splat4(a[i].q + 4 * g);
+            HELD(x[i]);
+        }
+        const uint8_t *rows = w + ((size_t)g * n + j0) * 4;
+        for (int v = 0; v < COLUMN_GROUP; v++) {
+            vu8 weights = load_u8(rows + VBYTES * v);
+            HELD(weights);
+            for (int i = 0; i < inputs; i++) acc[v][i] = dot4(acc[v][i], weights, x[i]);
+        }
+    }
+    for (int i = 0; i < inputs; i++)
+        for (int v = 0; v < COLUMN_GROUP; v++)
+            store_f32(y[i] + j0 + LANES * v, __builtin_convertvector(acc[v][i] - DOT_BIAS * a[i].sum[0], vf32) *
+                                             (load_f32(ws + j0 + LANES * v) * a[i].s[0]));
+}
+
+/* columns_product() of `count` inputs a [count] through one matrix, y [count] -> [n]: each weight vector loaded once
+   for COLUMN_INPUTS of them, each input's sums and float steps columns_product's */
+static void columns_inputs(const uint8_t *w, const float *ws, int n, const Quant *a, int count, float *const *y) {
+    if (n % (COLUMN_GROUP * LANES) || a[0].k % 4) {
+        for (int i = 0; i < count; i++) columns_product(w, ws, n, &a[i], y[i]);
+        return;
+    }
+    for (int i = 0; i < count; i += COLUMN_INPUTS)
+        for (int j0 = 0; j0 < n; j0 += COLUMN_GROUP * LANES) {
+            int left = count - i;
+            if (left >= COLUMN_INPUTS) columns_inputs_pass(w, ws, n, a + i, y + i, j0, COLUMN_INPUTS);
+            else if (left == 3) columns_inputs_pass(w, ws, n, a + i, y + i, j0, 3);
+            else if (left == 2) columns_inputs_pass(w, ws, n, a + i, y + i, j0, 2);
+            else columns_inputs_pass(w, ws, n, a + i, y + i, j0, 1);
+        }
+}
+
 typedef struct {            /* products whose rows are taken as one run split over the threads: each row of part i
                                times each of the part's count[i] inputs (a row is read once for all of them) */
     int parts;
@@ -1071,8 +1117,8 @@ typedef struct {
 } Block;
 
 typedef struct {              /* one tile's scratch */
-    Quant nope, lat, back;
-    float *q_lat, *x;         /* [c] */
+    Quant nope[COLUMN_INPUTS], lat, back[COLUMN_INPUTS];  /* rows of one head, COLUMN_INPUTS at a time */
+    float *q_lat[COLUMN_INPUTS], *x;                      /* [c] */
     int8_t *codes;            /* [c / 4, ROW_TILE, 4] the rows' latent query codes, four columns a lane */
     float *scale, *q_pe;      /* [ROW_TILE] each row's latent query scale; [r, ROW_TILE] the rows' roped queries */
     int32_t *sum;             /* [ROW_TILE] each row's latent query code sum */
@@ -1089,8 +1135,10 @@ typedef struct {              /* one tile's scratch */
 static Tile tile_scratch(const K2Dims *d, Bump *b) {
     Tile t;
     int c = d->latent;
-    t.nope = quant(b, d->nope, d->nope); t.lat = quant(b, c, c); t.back = quant(b, c, c);
-    t.q_lat = take(b, c * 4); t.x = take(b, c * 4);
+    for (int i = 0; i < COLUMN_INPUTS; i++) {
+        t.nope[i] = quant(b, d->nope, d->nope); t.back[i] = quant(b, c, c); t.q_lat[i] = take(b, c * 4);
+    }
+    t.lat = quant(b, c, c); t.x = take(b, c * 4);
     t.codes = take(b, (size_t)c * ROW_TILE);
     t.scale = take(b, ROW_TILE * 4); t.q_pe = take(b, (size_t)d->rope * ROW_TILE * 4);
     t.sum = take(b, ROW_TILE * 4); t.keys = take(b, ROW_TILE * 4);
@@ -1124,16 +1172,25 @@ static int block_queries(const Block *a, int first, Tile *t) {
             for (int k = 0; k < d->rope; k++) t->q_pe[(size_t)k * ROW_TILE + rr] = 0;
             continue;
         }
-        int j = row % h;
         const float *q = a->q + (size_t)row * qk;
-        quantize(q, &t->nope);
-        columns_product(a->l->w_uk + (size_t)j * d->nope * c, a->l->uk_s + (size_t)j * c, c, &t->nope, t->q_lat);
-        quantize(t->q_lat, &t->lat);
-        for (int g = 0; g < c / 4; g++) memcpy(t->codes + ((size_t)g * ROW_TILE + rr) * 4, t->lat.q + 4 * g, 4);
-        t->scale[rr] = t->lat.s[0]; t->sum[rr] = t->lat.sum[0];
         for (int k = 0; k < d->rope; k++) t->q_pe[(size_t)k * ROW_TILE + rr] = q[d->nope + k];
         t->keys[rr] = a->pos[row / h] + 1;
         most = MAX(most, t->keys[rr]);
+    }
+    for (int head_at = 0; head_at < MIN(h, ROW_TILE); head_at++) {  /* the rows head_at, head_at + h, ...: one head's */
+        int j = (first + head_at) % h, same[ROW_TILE], count = 0;
+        for (int rr = head_at; rr < ROW_TILE && first + rr < rows; rr += h) same[count++] = rr;
+        for (int i0 = 0; i0 < count; i0 += COLUMN_INPUTS) {
+            int n = MIN(COLUMN_INPUTS, count - i0);
+            for (int i = 0; i < n; i++) quantize(a->q + (size_t)(first + same[i0 + i]) * qk, &t->nope[i]);
+            columns_inputs(a->l->w_uk + (size_t)j * d->nope * c, a->l->uk_s + (size_t)j * c, c, t->nope, n, t->q_lat);
+            for (int i = 0; i < n; i++) {
+                int rr = same[i0 + i];
+                quantize(t->q_lat[i], &t->lat);
+                for (int g = 0; g < c / 4; g++) memcpy(t->codes + ((size_t)g * ROW_TILE + rr) * 4, t->lat.q + 4 * g, 4);
+                t->scale[rr] = t->lat.s[0]; t->sum[rr] = t->lat.sum[0];
+            }
+        }
     }
     return most;
 }
@@ -1317,17 +1374,25 @@ static void block_values(const Block *a, Tile *t, int keys) {
 static void block_output(const Block *a, Tile *t, int first) {
     const K2Dims *d = a->d;
     int h = d->heads, c_dim = d->latent, rows = a->n * h;
-    for (int rr = 0; rr < ROW_TILE && first + rr < rows; rr++) {
-        int row = first + rr, j = row % h;
-        const int32_t *sums = t->values + (size_t)rr * c_dim;
-        float scale = t->probability_scale[rr];
-        for (int c = 0; c < c_dim; c++) {
-            int slot = value_slot(c_dim, c);
-            t->x[c] = (float)(sums[slot] + (128 - DOT_BIAS) * t->code_sums[slot]) * scale;
+    for (int head_at = 0; head_at < MIN(h, ROW_TILE); head_at++) {  /* one head's rows together, as block_queries */
+        int j = (first + head_at) % h, same[ROW_TILE], count = 0;
+        for (int rr = head_at; rr < ROW_TILE && first + rr < rows; rr += h) same[count++] = rr;
+        for (int i0 = 0; i0 < count; i0 += COLUMN_INPUTS) {
+            int n = MIN(COLUMN_INPUTS, count - i0);
+            float *out[COLUMN_INPUTS];
+            for (int i = 0; i < n; i++) {
+                int rr = same[i0 + i];
+                const int32_t *sums = t->values + (size_t)rr * c_dim;
+                float scale = t->probability_scale[rr];
+                for (int c = 0; c < c_dim; c++) {
+                    int slot = value_slot(c_dim, c);
+                    t->x[c] = (float)(sums[slot] + (128 - DOT_BIAS) * t->code_sums[slot]) * scale;
+                }
+                quantize(t->x, &t->back[i]);
+                out[i] = a->out + (size_t)(first + rr) * d->v;
+            }
+            columns_inputs(a->l->w_uv + (size_t)j * c_dim * d->v, a->l->uv_s + (size_t)j * d->v, d->v, t->back, n, out);
         }
-        quantize(t->x, &t->back);
-        columns_product(a->l->w_uv + (size_t)j * c_dim * d->v, a->l->uv_s + (size_t)j * d->v, d->v, &t->back,
-                        a->out + (size_t)row * d->v);
     }
 }
 
