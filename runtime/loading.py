@@ -14,14 +14,14 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
     the engines `k2deploy build-engines` built for this GPU (a K2Error says how to build or install them).
     A placement ("auto" or "0:31@cuda:0,31:61@cuda:1") or a Ray address runs ONNX Runtime stages, each checked
     against its device's memory for its share of a cache of `cache_tokens` tokens (default: one sequence of the
-    model's whole context)."""
+    model's whole context); decode names the kernels of the cpu provider, a whole model's or each cpu stage's."""
     if placement is not None or ray is not None:
         if name != "onnxruntime":
             raise K2Error("--placement and --ray run ONNX Runtime stages; drop --backend tensorrt")
         from .stages.placed import load_placed
 
         tokens = cache_tokens or manifest.config.max_position_embeddings
-        return load_placed(manifest, placement, ray, provider, threads, tokens)
+        return load_placed(manifest, placement, ray, provider, threads, tokens, decode=decode)
     if name == "onnxruntime":
         from .backends.decode_choice import load_model
 

@@ -68,6 +68,44 @@ def test_stages_give_the_logits_and_tokens_of_one_process(tiny_artifacts, ray_ad
     _same_logits_and_tokens(whole, placed)
 
 
+@pytest.mark.parametrize("on_ray", [False, True], ids=["one process", "ray actors"])
+def test_cpu_stages_run_the_native_step_and_give_its_logits_and_tokens_to_the_bit(tiny_cpu_artifact, ray_address,
+                                                                                   on_ray):
+    """A cpu artifact's stages each run their range of layers through the native step (each maps only its own
+    files; the first embeds, the last runs the head), and say so; the hidden state crosses between them as it is,
+    so the logits and tokens are the whole native model's to the bit."""
+    from k2deploy.runtime.backends.decode_choice import load_model
+    from k2deploy.runtime.backends.native_build import NativeUnavailable, build
+
+    try:
+        build()
+    except NativeUnavailable as exc:
+        pytest.skip(f"the native decode step cannot be built here: {exc}")
+    manifest = load_manifest(tiny_cpu_artifact)
+    whole = Generator(load_model(manifest, threads=1, decode="native"))
+    placed = Generator(load_placed(manifest, "0:1@cpu,1:3@cpu", ray_address if on_ray else None, "cpu", 1, 4096,
+                                   decode="native"))
+    kernels = placed.model.decode_kernels
+    assert kernels.startswith("stages 0:1 native (") and ", 1:3 native (" in kernels, kernels
+    assert np.array_equal(placed.score(PROMPTS[0]), whole.score(PROMPTS[0]))
+    params = SamplingParams(max_new_tokens=8)
+    assert ([g.token_ids for g in placed.generate(PROMPTS, params)]
+            == [g.token_ids for g in whole.generate(PROMPTS, params)])
+
+
+def test_a_stage_that_cannot_run_natively_says_why_or_takes_the_graphs(tiny_artifacts, tiny_cpu_artifact):
+    """--decode native on an artifact the native step does not run is a one-line error naming the stage; auto takes
+    the graphs and says why; onnx takes the graphs."""
+    from k2deploy.runtime.backends.decode_choice import load_stage
+
+    fp8 = load_manifest(tiny_artifacts["fp8"])
+    with pytest.raises(K2Error, match="cannot run stage 0:1"):
+        load_stage(fp8, range(0, 1), threads=1, decode="native")
+    assert load_stage(fp8, range(0, 1), threads=1).decode_kernels.startswith("onnx (native: ")
+    assert load_stage(load_manifest(tiny_cpu_artifact), range(1, 3), threads=1, decode="onnx").decode_kernels == \
+        "onnx (asked for)"
+
+
 def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compiles_it(tiny_artifacts, ray_address,
                                                                                      monkeypatch):
     from k2deploy.runtime.engine.requests import GenerationRequest

@@ -91,6 +91,34 @@ def load_model(manifest: Manifest, provider: str = "cpu", threads: int | None = 
     return NativeModel(manifest, native, f"native ({native.isa}; {why})")
 
 
+def load_stage(manifest: Manifest, layers: range, provider: str = "cpu", threads: int | None = None,
+               device_id: int | None = None, host_share: int = 1, decode: str = "auto") -> OrtModel | NativeModel:
+    """A pipeline stage's range of layers: through the native step where it runs on the cpu provider and `decode`
+    (auto or native) allows (each stage maps only its own layers' files, once; `auto` does not time the two here,
+    as a whole model's first start does: the native step measured faster on every host it was timed on), else
+    through the graphs. threads None: the host's cores divided among the `host_share` stage processes on it."""
+    if decode not in DECODE_KERNELS:
+        raise K2Error(f"unknown decode kernels {decode!r}; choose one of {', '.join(DECODE_KERNELS)}")
+    why = "asked for"
+    if decode != "onnx":
+        try:
+            if provider != "cpu":
+                raise NativeUnavailable("it runs stages on the cpu provider")
+            NativeDecoder.check_target(manifest)
+            check_against_graphs(manifest, [])
+            native = NativeDecoder(manifest, process_threads(threads, host_share),
+                                   manifest.config.max_position_embeddings, layers)
+            yield_to_native_decode()
+            return NativeModel(manifest, native, f"native ({native.isa}; {'asked for' if decode == 'native' else 'auto'})")
+        except NativeUnavailable as exc:
+            if decode == "native":
+                raise K2Error(f"the native decode step cannot run stage {layers.start}:{layers.stop}: {exc}; use "
+                              f"--decode onnx") from None
+            why = f"native: {exc}"
+    return OrtModel(manifest, provider, threads, layers=layers, device_id=device_id, host_share=host_share,
+                    decode_kernels=f"onnx ({why})")
+
+
 def graphs_memory(manifest: Manifest) -> int:
     """Bytes the graphs of the whole model take to load, about: every graph's weights, and while the largest loads
     two more copies of it (ONNX Runtime reads its initializers, folds the tiles back into rows and prepacks)."""

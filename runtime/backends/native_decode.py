@@ -45,7 +45,7 @@ from ...core.errors import K2Error
 from ...core.host_memory import available_memory
 from ...core.manifest import Manifest
 from ...core.onnx_wire import external_initializers
-from .mapped_file import MappedFile
+from .mapped_file import MappedFile, populate_all
 from .native_build import NativeUnavailable, contract, library
 from .core_leases import core_leases
 from .thread_pool import core_cpus
@@ -164,9 +164,16 @@ class NativeDecoder:
             raise NativeUnavailable("it reads the weights in its tiles, and this artifact holds them in rows (exported "
                                     "by an older k2deploy); export it again to run the native step")
 
-    def __init__(self, manifest: Manifest, threads: int, max_len: int):
+    def __init__(self, manifest: Manifest, threads: int, max_len: int, layers: range | None = None):
+        """layers: a pipeline stage's range of decoder layers (default: all), with the embedding where it starts at
+        layer 0 and the final norm and head where it ends at the last; only its own files are mapped and checked."""
         self.check_target(manifest)
         c = self.config = manifest.config
+        self.layer_range = layers if layers is not None else range(c.num_hidden_layers)
+        if self.layer_range.step != 1 or not 0 <= self.layer_range.start < self.layer_range.stop <= c.num_hidden_layers:
+            raise K2Error(f"layers {self.layer_range.start}:{self.layer_range.stop} are not a range of the model's "
+                          f"{c.num_hidden_layers} decoder layers")
+        self.first, self.last = self.layer_range.start == 0, self.layer_range.stop == c.num_hidden_layers
         self.lib = library()
         self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
         built = contract(self.lib)
@@ -184,21 +191,26 @@ class NativeDecoder:
             raise NativeUnavailable(f"its routing takes at most the sizes it was built for: {', '.join(over)}")
         if c.q_lora_rank is None:
             raise NativeUnavailable("it needs q_lora_rank (q_a_proj and q_b_proj)")
-        names = [f"layer_{i:03d}" for i in range(c.num_hidden_layers)] + ["head"]
+        names = [f"layer_{i:03d}" for i in self.layer_range] + (["head"] if self.last else [])
         self.held_bytes = sum(manifest.data["files"][manifest.graph_entry(name)["data"]]["bytes"] for name in names)
         available = available_memory()
         if available is not None and self.held_bytes > available:
             raise NativeUnavailable(f"it maps the layer and head weights ({self.held_bytes / 2**30:.1f} GiB) and "
                                     f"runs on them in memory, and {available / 2**30:.1f} GiB is available")
-        self.graphs = [GraphWeights(manifest, name) for name in ["embed", *names]]  # each file mapped, in place
-        embed, *layer_graphs, head = self.graphs
-        self.layers = (Layer * c.num_hidden_layers)(*(self._layer(i, g) for i, g in enumerate(layer_graphs)))
-        table = embed.array("weight", (c.vocab_size, c.hidden_size), (16,))  # bfloat16: a step reads one row
-        self.model = Model(self._dims(max_len), c.num_hidden_layers, self.layers, _address(table),
-                           _address(head.floats("norm.weight", (c.hidden_size,))),
-                           head.linear("lm_head", c.vocab_size, c.hidden_size))
+        self.graphs = [GraphWeights(manifest, name) for name in (["embed"] if self.first else []) + names]  # mapped
+        layer_graphs = self.graphs[int(self.first):int(self.first) + len(self.layer_range)]
+        self.layers = (Layer * len(self.layer_range))(*(self._layer(i, g) for i, g in zip(self.layer_range, layer_graphs)))
+        self.model = Model(self._dims(max_len), len(self.layer_range), self.layers)
+        if self.first:  # bfloat16: a step reads one row
+            self.model.embed = _address(self.graphs[0].array("weight", (c.vocab_size, c.hidden_size), (16,)))
+        if self.last:
+            head = self.graphs[-1]
+            self.model.final_norm = _address(head.floats("norm.weight", (c.hidden_size,)))
+            self.model.head = head.linear("lm_head", c.vocab_size, c.hidden_size)
         # the one read of the data files, into the page cache, checked against the manifest's digests
         manifest.verify([g.data_name for g in self.graphs if g.data_name in manifest.unhashed])
+        populate_all([g.file for g in self.graphs], os.cpu_count() or 1)  # then mapped whole: no step faults in an
+        # expert's pages at its first use
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
@@ -317,18 +329,53 @@ class NativeDecoder:
 
     def steps(self, tokens: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
               arrays: dict[str, np.ndarray]) -> np.ndarray:
-        """One token for each of a batch of sequences: tokens, positions [b], page_tables [b, n] -> hidden [b, m].
-        Each weight is read once for the batch; each sequence's result is the one it gets alone."""
+        """One token for each of a batch of sequences: tokens, positions [b], page_tables [b, n] -> hidden [b, m],
+        the last layer's of this range (a stage that starts at layer 0). Each weight is read once for the batch;
+        each sequence's result is the one it gets alone."""
         c = self.config
-        tokens, positions = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-        tables = np.ascontiguousarray(page_tables, dtype=np.int64)
-        batch = len(tokens)
-        if tokens.ndim != 1 or positions.shape != (batch,) or tables.ndim != 2 or len(tables) != batch or not batch:
-            raise K2Error(f"a step takes one token, position and page table per sequence; got tokens of shape "
-                          f"{tokens.shape}, positions of shape {positions.shape} and page tables of shape {tables.shape}")
+        if not self.first:
+            raise K2Error(f"layers {self.layer_range.start}:{self.layer_range.stop} take the previous stage's hidden "
+                          f"state, not tokens")
+        tokens = np.asarray(tokens, dtype=np.int64)
+        if tokens.ndim != 1:
+            raise K2Error(f"a step takes one token per sequence; got tokens of shape {tokens.shape}")
         bad = (tokens < 0) | (tokens >= c.vocab_size)
         if bad.any():
             raise K2Error(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{c.vocab_size - 1})")
+        positions, tables, pages = self._checked(len(tokens), positions, page_tables, arrays)
+        hidden = np.empty((len(tokens), c.hidden_size), np.float32)
+        status = self.lib.k2_decode_step(ctypes.addressof(self.model), len(tokens), _address(tokens.astype(np.int32)),
+                                         _address(positions), _address(tables), tables.shape[1],
+                                         ctypes.addressof(pages), _address(hidden), _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused tokens {tokens.tolist()} at positions {positions.tolist()}")
+        return hidden
+
+    def layer_steps(self, hidden: np.ndarray, positions: np.ndarray, page_tables: np.ndarray,
+                    arrays: dict[str, np.ndarray]) -> np.ndarray:
+        """steps() from the previous stage's hidden [b, m] in place of tokens -> this range's hidden [b, m] (a new
+        array)."""
+        hidden = np.array(hidden, dtype=np.float32, order="C")
+        if hidden.ndim != 2 or hidden.shape[1] != self.config.hidden_size:
+            raise K2Error(f"a stage's step takes hidden states [batch, {self.config.hidden_size}]; got "
+                          f"{list(hidden.shape)}")
+        positions, tables, pages = self._checked(len(hidden), positions, page_tables, arrays)
+        status = self.lib.k2_decode_layers(ctypes.addressof(self.model), 0, len(self.layer_range), len(hidden),
+                                           _address(positions), _address(tables), tables.shape[1],
+                                           ctypes.addressof(pages), _address(hidden), _address(self.scratch))
+        if status != 0:
+            raise K2Error(f"the native decode step refused positions {positions.tolist()}")
+        return hidden
+
+    def _checked(self, batch: int, positions: np.ndarray, page_tables: np.ndarray,
+                 arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, ctypes.Array]:
+        """A step's positions [batch] and page tables [batch, n] checked against the cache's pools -> (positions
+        int32, tables int64, the pools as the step takes them); scratch for the batch."""
+        positions = np.asarray(positions, dtype=np.int64)
+        tables = np.ascontiguousarray(page_tables, dtype=np.int64)
+        if positions.shape != (batch,) or tables.ndim != 2 or len(tables) != batch or not batch:
+            raise K2Error(f"a step takes one position and page table per sequence; got {batch} sequences, positions "
+                          f"of shape {positions.shape} and page tables of shape {tables.shape}")
         bad = (positions < 0) | (positions >= min(self.max_len, tables.shape[1] * PAGE_SIZE))
         if bad.any():
             raise K2Error(f"position {int(positions[bad][0])} is past the sequence's pages or the model's "
@@ -336,22 +383,14 @@ class NativeDecoder:
         latent, scale, rope = arrays["latent"], arrays["latent_scale"], arrays["rope"]
         if tables.min() < 0 or tables.max() >= latent.shape[1]:
             raise K2Error("the page table names pages the cache does not hold")
-        tokens, positions = tokens.astype(np.int32), positions.astype(np.int32)  # in range: checked above
         self._room_for(batch)
-        hidden = np.empty((batch, c.hidden_size), np.float32)
-        pages = self._layer_pools(latent, scale, rope)
-        status = self.lib.k2_decode_step(ctypes.addressof(self.model), batch, _address(tokens), _address(positions),
-                                         _address(tables), tables.shape[1], ctypes.addressof(pages),
-                                         _address(hidden), _address(self.scratch))
-        if status != 0:
-            raise K2Error(f"the native decode step refused tokens {tokens.tolist()} at positions {positions.tolist()}")
-        return hidden
+        return positions.astype(np.int32), tables, self._layer_pools(latent, scale, rope)  # in range: checked above
 
     def _layer_pools(self, latent: np.ndarray, scale: np.ndarray, rope: np.ndarray) -> ctypes.Array:
         """Each layer's pools [pages, PAGE_SIZE, width], made once per cache (a step otherwise rebuilds them)."""
         key = (_address(latent), _address(scale), _address(rope), latent.shape[1])
         if self._pools is None or self._pools[0] != key:
-            c, layers = self.config, self.config.num_hidden_layers
+            c, layers = self.config, len(self.layer_range)
             pages = latent.shape[1] if latent.ndim == 4 else -1
             expected = {"latent": (latent, (layers, pages, PAGE_SIZE, c.kv_lora_rank), (np.uint8,)),
                         "latent_scale": (scale, (layers, pages, PAGE_SIZE, 1), (np.float32,)),  # one a token
@@ -366,7 +405,9 @@ class NativeDecoder:
 
     def logits(self, hidden: np.ndarray, batch: int = STEP_BATCH) -> np.ndarray:
         """hidden [..., m] -> logits [..., vocab] float32: the final norm and the head, `batch` rows a call (each
-        weight row read once for them)."""
+        weight row read once for them), on a range that ends at the last layer."""
+        if not self.last:
+            raise K2Error(f"layers {self.layer_range.start}:{self.layer_range.stop} do not end at the head")
         rows = np.ascontiguousarray(hidden, dtype=np.float32).reshape(-1, self.config.hidden_size)
         out = np.empty((len(rows), self.config.vocab_size), np.float32)
         for at in range(0, len(rows), batch):

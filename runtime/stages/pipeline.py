@@ -18,7 +18,7 @@ from ...core.manifest import load_manifest
 from ...core.placement import Stage as Placement
 from ..backends.interface import logits_at
 from ..cache.slots import Cache, SlotView, pages_for
-from ..backends.ort_backend import OrtModel
+from ..backends.decode_choice import load_stage
 from .stage_messages import pack, unpack
 from ..backends.thread_pool import pin_to_share
 
@@ -28,17 +28,19 @@ class StageRunner:
     cache."""
 
     def __init__(self, artifact: str, placement: Placement, provider: str, threads: int | None,
-                 device_id: int | None = None, host_share: int = 1, host_index: int = 0, pin: bool = True):
+                 device_id: int | None = None, host_share: int = 1, host_index: int = 0, pin: bool = True,
+                 decode: str = "auto"):
         """host_share: how many stage processes share this stage's host, host_index: this one's place among them;
         with several, each keeps to its own share of the host's cores (`thread_pool.pin_to_share`; not with pin
         False, the driver's own stage, whose process does more than this stage) and its pool takes that many threads
         when threads is None. Of the graphs' files the stage hashes only its own (the other stages' are checked for
-        their size)."""
+        their size). decode: the kernels of a cpu stage (`decode_choice.load_stage`: the native step where it
+        runs)."""
         self.cpus = pin_to_share(host_index, host_share) if pin else None
         manifest = load_manifest(artifact, hash_graphs=False)  # its graphs hashed as it opens them
-        self.model = OrtModel(manifest, provider="cpu" if placement.device == "cpu" else provider, threads=threads,
-                              layers=range(placement.start, placement.stop), device_id=device_id,
-                              host_share=host_share if self.cpus is None else 1)  # pinned: its cores are its own
+        self.model = load_stage(manifest, range(placement.start, placement.stop),
+                                "cpu" if placement.device == "cpu" else provider, threads, device_id,
+                                host_share if self.cpus is None else 1, decode)  # pinned: its cores are its own
         self.store = None
 
     def allocate(self, pages: int) -> int:
@@ -47,8 +49,12 @@ class StageRunner:
         return self.store.nbytes
 
     def threads(self) -> int:
-        """The size of this stage's process's intra-op thread pool."""
+        """The size of this stage's process's intra-op thread pool (or native step's pool)."""
         return self.model.threads
+
+    def decode_kernels(self) -> str:
+        """Which kernels run this stage's layers, and why."""
+        return f"{self.model.layers.start}:{self.model.layers.stop} {self.model.decode_kernels}"
 
     def pinned_cpus(self) -> list[int] | None:
         """The CPUs this stage's process keeps to, or None where it is not pinned."""
@@ -97,8 +103,12 @@ def device_id(placement: Placement) -> int | None:
 class LocalStages:
     """The stages in this process, called one after the other."""
 
-    def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None):
-        self.stages = [StageRunner(artifact, p, provider, threads, device_id(p)) for p in placements]
+    def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None,
+                 decode: str = "auto"):
+        self.stages = [StageRunner(artifact, p, provider, threads, device_id(p), decode=decode) for p in placements]
+
+    def decode_kernels(self) -> list[str]:
+        return [stage.decode_kernels() for stage in self.stages]
 
     def allocate(self, pages: int) -> int:
         return sum(stage.allocate(pages) for stage in self.stages)
@@ -150,6 +160,7 @@ class PipelineModel:
         self.threads = stages.threads()[0]  # the first stage's intra-op pool (stages on one host have alike pools)
         self.num_layers = sum(p.stop - p.start for p in placements)
         self.salt = manifest.digest.encode()  # keys the cache's prefix hashes to this artifact
+        self.decode_kernels = "stages " + ", ".join(stages.decode_kernels())  # each stage's kernels, and why
 
     @property
     def stage_seconds(self) -> dict[str, float]:

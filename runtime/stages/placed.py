@@ -19,10 +19,12 @@ FLOAT32_BYTES = 4
 
 
 def load_placed(manifest, placement: str | None, ray: str | None, provider: str, threads: int | None,
-                cache_tokens: int, compiled: bool = True, driver_stage: bool = True) -> PipelineModel:
+                cache_tokens: int, compiled: bool = True, driver_stage: bool = True,
+                decode: str = "auto") -> PipelineModel:
     """The artifact as stages; placement None or "auto": one cpu stage on the cpu provider, else one stage per
     visible GPU, balanced by bytes. compiled False: Ray stages step through tasks, not a compiled graph;
-    driver_stage False: every stage on a Ray actor, the first too (`ray_stages.RayStages`)."""
+    driver_stage False: every stage on a Ray actor, the first too (`ray_stages.RayStages`). decode: the kernels of
+    each cpu stage (the native step where it runs, `decode_choice.load_stage`)."""
     if ray is not None:
         from .ray_stages import connect
 
@@ -43,12 +45,12 @@ def load_placed(manifest, placement: str | None, ray: str | None, provider: str,
         config = manifest.config
         row_bytes = FLOAT32_BYTES * max(config.hidden_size, config.vocab_size)
         return PipelineModel(manifest, RayStages(str(manifest.root), stages, provider, threads, check, row_bytes,
-                                                 compiled, driver_stage), stages)
+                                                 compiled, driver_stage, decode), stages)
     if any(s.host for s in stages):
         raise K2Error("--placement names hosts other than h0; stages on several hosts run on Ray: pass --ray ADDRESS")
     for i, stage in enumerate(stages):
         check(i, stage)
-    return PipelineModel(manifest, LocalStages(str(manifest.root), stages, provider, threads), stages)
+    return PipelineModel(manifest, LocalStages(str(manifest.root), stages, provider, threads, decode), stages)
 
 
 def _stage_weights(manifest) -> dict:

@@ -73,9 +73,10 @@ class RayStages:
     actors (`actors`)."""
 
     def __init__(self, artifact: str, placements: list[Placement], provider: str, threads: int | None,
-                 check_memory, row_bytes: int, compiled: bool = True, driver_stage: bool = True):
+                 check_memory, row_bytes: int, compiled: bool = True, driver_stage: bool = True, decode: str = "auto"):
         """check_memory(index, placement): raises a K2Error where the stage does not fit; it runs on the stage's
         host. row_bytes: one row's hidden state or logits, whichever is larger (sizes the graph's channels).
+        decode: the kernels of each cpu stage (runtime/stages/pipeline.py StageRunner).
         compiled False: the task path, without trying a compiled graph (benchmarks compare the two).
         driver_stage False: the first stage on an actor too, wherever it is (benchmarks compare the two)."""
         import ray
@@ -103,10 +104,10 @@ class RayStages:
             # Ray shows a GPU actor its one GPU as device 0
             self.actors.append(remote.options(**options).remote(artifact, placement, provider, threads,
                                                                 0 if gpu else device_id(placement), per_host[placement.host],
-                                                                host_index))
+                                                                host_index, decode=decode))
         # loads while the actors load theirs
         self.local = (StageRunner(artifact, placements[0], provider, threads, None, per_host[placements[0].host], 0,
-                                  pin=False) if in_driver else None)
+                                  pin=False, decode=decode) if in_driver else None)
         self._get([actor.ready.remote() for actor in self.actors], "loading")
         self.graph = None
         self.compiled = compiled
@@ -135,6 +136,10 @@ class RayStages:
     def threads(self) -> list[int]:
         local = [self.local.threads()] if self.local else []
         return local + self._get([actor.threads.remote() for actor in self.actors], "reading thread counts")
+
+    def decode_kernels(self) -> list[str]:
+        local = [self.local.decode_kernels()] if self.local else []
+        return local + self._get([actor.decode_kernels.remote() for actor in self.actors], "reading their kernels")
 
     def forward_logits(self, token_ids, positions, valid, page_table, last) -> np.ndarray:
         """The rows as up to one micro-batch per stage, all in flight at once: while stage k runs micro-batch i,
