@@ -27,11 +27,12 @@ def attention_workspace_bytes() -> int:
     return LIVE_SCORE_TENSORS * ATTENTION_SCORES_BYTES
 
 
-def prefill_chunk(rows: int, heads: int, past: int, budget: int = ATTENTION_SCORES_BYTES) -> int:
+def prefill_chunk(rows: int, heads: int, past: int, budget: int | None = ATTENTION_SCORES_BYTES) -> int:
     """Prompt tokens per row in one prefill forward of `rows` rows after `past` cached positions: PREFILL_CHUNK,
-    halved until the scores [rows, s * heads, past + s] float32 fit `budget` bytes (at least 1)."""
+    halved until the scores [rows, s * heads, past + s] float32 fit `budget` bytes (at least 1); budget None: a
+    model whose attention's memory does not grow with the chunk (the native step's row tiles), PREFILL_CHUNK."""
     size = PREFILL_CHUNK
-    while size > 1 and rows * size * heads * (past + size) * 4 > budget:
+    while budget is not None and size > 1 and rows * size * heads * (past + size) * 4 > budget:
         size //= 2
     return size
 

@@ -29,6 +29,8 @@ class NativeModel(HostCache, InProcess):
     """An artifact's embedding, decoder layers and head through one NativeDecoder (runtime/backends/interface.py's
     Model), or a stage's range of them."""
 
+    prefill_scores_budget = None  # its attention takes a prompt's chunk in row tiles of fixed scratch, however long
+
     def __init__(self, manifest: Manifest, native: NativeDecoder, decode_kernels: str):
         """decode_kernels: which kernels run it and why, as `generate`, `bench` and `serve` report it."""
         self.manifest, self.native, self.decode_kernels = manifest, native, decode_kernels

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from ...core.sizes import MIN_PREFILL_CHUNK, prefill_chunk
+from ...core.sizes import ATTENTION_SCORES_BYTES, MIN_PREFILL_CHUNK, prefill_chunk
 from ..cache.slots import Cache, pages_for
 from .requests import GenerationRequest
 
@@ -22,11 +22,13 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, slots: int, max_queue: int, cache: Cache | None = None, heads: int = 1):
+    def __init__(self, slots: int, max_queue: int, cache: Cache | None = None, heads: int = 1,
+                 scores_budget: int | None = ATTENTION_SCORES_BYTES):
         """cache: the pool the slots' pages come from (None: admission does not check pages); heads: the model's
-        attention heads (prefill chunks are sized to keep their scores within budget)."""
+        attention heads (prefill chunks are sized to keep their scores within scores_budget; None: the model's
+        attention takes any chunk in the same memory)."""
         self.max_queue = max_queue
-        self.cache, self.heads = cache, heads
+        self.cache, self.heads, self.scores_budget = cache, heads, scores_budget
         self.slots: list[GenerationRequest | None] = [None] * slots  # slot -> the request holding it
         self.waiting: deque[GenerationRequest] = deque()
         self.lock = threading.Condition()
@@ -98,7 +100,7 @@ class Scheduler:
         rather than shrink the chunk below MIN_PREFILL_CHUNK."""
         requests = sorted(requests, key=lambda r: r.admission)
         while True:
-            size = prefill_chunk(len(requests), self.heads, max(r.cached for r in requests))
+            size = prefill_chunk(len(requests), self.heads, max(r.cached for r in requests), self.scores_budget)
             if size >= MIN_PREFILL_CHUNK or len(requests) == 1:
                 return requests, size
             requests = requests[:-1]

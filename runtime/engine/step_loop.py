@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from ...core.errors import K2Error
+from ...core.sizes import ATTENTION_SCORES_BYTES
 from ..backends.interface import Model
 from .batch_forward import BatchForward
 from .counters import StepCounters
@@ -48,7 +49,8 @@ class StepLoop:
         self.context = context
         self.cache = model.new_cache(slots, context, pages, prefix_cache)
         self.forwards = BatchForward(model, self.cache)
-        self.scheduler = Scheduler(slots, max_queue, self.cache, model.config.num_attention_heads)
+        self.scheduler = Scheduler(slots, max_queue, self.cache, model.config.num_attention_heads,
+                                   getattr(model, "prefill_scores_budget", ATTENTION_SCORES_BYTES))
         self.metrics = metrics
         self.admissions = 0  # requests admitted so far: the newest running one is preempted first
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
