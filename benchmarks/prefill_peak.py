@@ -2,6 +2,7 @@
 
     . .venv/bin/activate && python benchmarks/prefill_peak.py [ART] [--prompts 512,2048] [--threads 1,2]
         [--batches 1,4,16] [--context 128] [--isa native|all|LEVEL,...] [--rounds 3] [--json]
+        [--llama-cpp BIN --gguf FILE]
 
 (from the repository root; without ART, the `small` artifact that benchmarks/decode_latency.py writes under
 /tmp/k2deploy-bench, made first if missing.)
@@ -20,6 +21,11 @@ and the attention's over the cache: heads x 2 x kv_lora_rank a (query, cached po
 causal for a prompt. The rope scores (heads x qk_rope_head_dim float multiply-adds a pair) and the router (a float
 product) are not counted. Each figure is the median of --rounds interleaved rounds; the fraction divides the
 achieved multiply-adds a second by the level's measured peak at the same thread count.
+
+With --llama-cpp (a folder holding llama.cpp's llama-bench and llama-batched-bench) and --gguf (the same weights as
+a GGUF, such as Q8_0), llama.cpp runs each cell in the same rounds, right after ours: `llama-bench -p N -n 0 -t T`
+for a prompt, `llama-batched-bench -npp CONTEXT -ntg 32 -npl B -t T` for a batch (its text-generation tokens a
+second); the `x llama.cpp` column is its time over ours.
 """
 
 from __future__ import annotations
@@ -148,6 +154,27 @@ def batch_ms(artifact: Path, isa: str, threads: int, batch: int, context: int) -
     return float(got["step_ms"])
 
 
+def llama_prefill_ms(binaries: Path, gguf: Path, threads: int, tokens: int) -> float:
+    """llama-bench's time for a prompt of `tokens` tokens (one repetition)."""
+    run = subprocess.run([str(binaries / "llama-bench"), "-m", str(gguf), "-p", str(tokens), "-n", "0", "-t", str(threads),
+                          "-r", "1", "-o", "json"], capture_output=True, text=True, timeout=3600)
+    if run.returncode != 0:
+        raise SystemExit(f"prefill_peak.py: llama-bench failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    return tokens / float(json.loads(run.stdout)[0]["avg_ts"]) * 1e3
+
+
+def llama_batch_ms(binaries: Path, gguf: Path, threads: int, batch: int, context: int) -> float:
+    """llama-batched-bench's time for one decode step of `batch` sequences after `context` prompt tokens each."""
+    run = subprocess.run([str(binaries / "llama-batched-bench"), "-m", str(gguf), "-c", str(batch * (context + 64)),
+                          "-b", "2048", "-ub", "512", "-npp", str(context), "-ntg", "32", "-npl", str(batch), "-t",
+                          str(threads), "--output-format", "jsonl"], capture_output=True, text=True, timeout=3600)
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    if run.returncode != 0 or not rows:
+        raise SystemExit(f"prefill_peak.py: llama-batched-bench failed: "
+                         f"{(run.stderr.strip().splitlines() or ['?'])[-1]}")
+    return batch / float(rows[-1]["speed_tg"]) * 1e3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", nargs="?", type=Path, help="a cpu-lowered artifact (default: decode_latency's small)")
@@ -160,8 +187,18 @@ def main(argv=None) -> int:
     parser.add_argument("--isa", default="native", help="instruction-set levels, comma-separated, or all: every "
                                                         "level this CPU runs (default native: -march=native)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+    parser.add_argument("--llama-cpp", type=Path, help="a folder holding llama.cpp's llama-bench and "
+                                                       "llama-batched-bench: run each cell through them too")
+    parser.add_argument("--gguf", type=Path, help="with --llama-cpp: the same weights as a GGUF")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if (args.llama_cpp is None) != (args.gguf is None):
+        parser.error("--llama-cpp and --gguf go together")
+    if args.llama_cpp is not None and not all((args.llama_cpp / name).is_file() for name in ("llama-bench",
+                                                                                           "llama-batched-bench")):
+        parser.error(f"--llama-cpp {args.llama_cpp}: holds no llama-bench and llama-batched-bench")
+    if args.gguf is not None and not args.gguf.is_file():
+        parser.error(f"--gguf {args.gguf}: no such file")
     prompts, threads = counts(args.prompts, "prompts", parser), counts(args.threads, "threads", parser)
     batches = [] if args.batches.strip() == "0" else counts(args.batches, "batches", parser)
     if args.rounds < 1 or args.context < 0:
@@ -174,6 +211,7 @@ def main(argv=None) -> int:
              [("prefill", isa, t, n) for isa in levels for t in threads for n in prompts] +
              [("decode", isa, t, b) for isa in levels for t in threads for b in batches])
     runs: dict[tuple, list] = {cell: [] for cell in cells}
+    llama: dict[tuple, list] = {cell: [] for cell in cells if cell[0] != "peak" and args.llama_cpp is not None}
     for round_ in range(args.rounds):
         for cell in cells:
             kind, isa, t, size = cell
@@ -183,6 +221,10 @@ def main(argv=None) -> int:
                 runs[cell].append(prefill_ms(artifact, isa, t, ids[:size]))
             else:
                 runs[cell].append(batch_ms(artifact, isa, t, size, args.context))
+            if cell in llama and kind == "prefill":
+                llama[cell].append(llama_prefill_ms(args.llama_cpp, args.gguf, t, size))
+            elif cell in llama:
+                llama[cell].append(llama_batch_ms(args.llama_cpp, args.gguf, t, size, args.context))
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     peaks = {(isa, t): {"isa": runs["peak", isa, t, 0][0]["isa"],
                         "per_thread_gmacs": statistics.median(min(r["per_thread"]) for r in runs["peak", isa, t, 0]),
@@ -200,6 +242,9 @@ def main(argv=None) -> int:
                      "tokens" if kind == "prefill" else "batch": size, "ms": round(ms, 2),
                      "tokens_per_s": round(tokens, 1), "gmacs": round(rate, 1),
                      "of_peak": round(rate / peaks[isa, t]["total_gmacs"], 3)})
+        if (kind, isa, t, size) in llama:
+            theirs = statistics.median(llama[kind, isa, t, size])
+            rows[-1].update(llama_cpp_ms=round(theirs, 2), llama_cpp_over_ours=round(theirs / ms, 2))
     host = {"cpu": platform.processor() or platform.machine(), "levels": host_levels()}
     if args.json:
         print(json.dumps({"artifact": str(artifact), "host": host, "context": args.context, "rounds": args.rounds,
@@ -211,11 +256,13 @@ def main(argv=None) -> int:
     for (isa, t), p in peaks.items():
         print(f"{p['isa']:>12} {t:>7} {p['per_thread_gmacs']:>16.1f} {p['total_gmacs']:>8.1f}")
     print(f"\nprefill (generate's time to first token) and batched decode at {args.context} cached positions")
-    print(f"{'':>8} {'isa':>12} {'threads':>7} {'size':>6} {'ms':>9} {'tokens/s':>9} {'GMAC/s':>8} {'of peak':>8}")
+    print(f"{'':>8} {'isa':>12} {'threads':>7} {'size':>6} {'ms':>9} {'tokens/s':>9} {'GMAC/s':>8} {'of peak':>8}"
+          + (f" {'llama.cpp ms':>12} {'x llama.cpp':>11}" if llama else ""))
     for row in rows:
         size = row.get("tokens", row.get("batch"))
         print(f"{row['kind']:>8} {row['isa']:>12} {row['threads']:>7} {size:>6} {row['ms']:>9.1f} "
-              f"{row['tokens_per_s']:>9.1f} {row['gmacs']:>8.1f} {row['of_peak']:>8.1%}")
+              f"{row['tokens_per_s']:>9.1f} {row['gmacs']:>8.1f} {row['of_peak']:>8.1%}"
+              + (f" {row['llama_cpp_ms']:>12.1f} {row['llama_cpp_over_ours']:>10.2f}x" if "llama_cpp_ms" in row else ""))
     return 0
 
 
