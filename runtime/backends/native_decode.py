@@ -299,7 +299,8 @@ class NativeDecoder:
         out = np.array(hidden, dtype=np.float32).reshape(self.config.hidden_size)
         table = np.ascontiguousarray(page_table, dtype=np.int64)
         pages = (Pages * 1)(Pages(_address(pools["latent"]), _address(pools["latent_scale"]), _address(pools["rope"])))
-        status = self.lib.k2_decode_layers(ctypes.addressof(self.model), layer, 1, 1, _address(np.array([position], np.int32)),
+        at = np.array([position], np.int32)  # held while the step reads it
+        status = self.lib.k2_decode_layers(ctypes.addressof(self.model), layer, 1, 1, _address(at),
                                            _address(table), len(table), ctypes.addressof(pages), _address(out),
                                            _address(self.scratch))
         if status != 0:
@@ -344,7 +345,8 @@ class NativeDecoder:
             raise K2Error(f"token id {int(tokens[bad][0])} is outside the vocabulary (0..{c.vocab_size - 1})")
         positions, tables, pages = self._checked(len(tokens), positions, page_tables, arrays)
         hidden = np.empty((len(tokens), c.hidden_size), np.float32)
-        status = self.lib.k2_decode_step(ctypes.addressof(self.model), len(tokens), _address(tokens.astype(np.int32)),
+        tokens = tokens.astype(np.int32)  # in range: checked above (held here while the step reads it)
+        status = self.lib.k2_decode_step(ctypes.addressof(self.model), len(tokens), _address(tokens),
                                          _address(positions), _address(tables), tables.shape[1],
                                          ctypes.addressof(pages), _address(hidden), _address(self.scratch))
         if status != 0:

@@ -895,35 +895,23 @@ typedef float v8f __attribute__((vector_size(32)));  /* eight heads' rope scores
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }  /* (not 0 + x: a sum, where -0 becomes +0
                                                                                  and a product of it changes no run) */
 
-/* out [h] = each head's roped query . one position's rope key, q_pe [r, h] (heads side by side): the sum over i in
-   four interleaved runs (i mod 4), then (run 0 + run 1) + (run 2 + run 3): one order on every instruction set, for
-   any number of heads, whatever the threads */
+/* out [h] = each head's roped query . one position's rope key, q_pe [r, h] (heads side by side): the products added
+   in the order of i, one by one from 0: one order on every instruction set, for any number of heads, whatever the
+   threads (tile_rope_scores keeps it too) */
 static void rope_scores(const float *q_pe, const float *k, int r, int h, float *out) {
     int j = 0;
     for (; j + 8 <= h; j += 8) {
-        v8f run0 = {0}, run1 = {0}, run2 = {0}, run3 = {0}, q[4];
-        int i = 0;
-        for (; i + 4 <= r; i += 4) {
-            memcpy(q, q_pe + (size_t)i * h + j, sizeof q[0]);
-            memcpy(q + 1, q_pe + (size_t)(i + 1) * h + j, sizeof q[0]);
-            memcpy(q + 2, q_pe + (size_t)(i + 2) * h + j, sizeof q[0]);
-            memcpy(q + 3, q_pe + (size_t)(i + 3) * h + j, sizeof q[0]);
-            run0 += q[0] * splat8(k[i]);
-            run1 += q[1] * splat8(k[i + 1]);
-            run2 += q[2] * splat8(k[i + 2]);
-            run3 += q[3] * splat8(k[i + 3]);
+        v8f sum = {0}, q;
+        for (int i = 0; i < r; i++) {
+            memcpy(&q, q_pe + (size_t)i * h + j, sizeof q);
+            sum += q * splat8(k[i]);
         }
-        for (v8f *run[3] = {&run0, &run1, &run2}; i < r; i++) {  /* i mod 4 is 0, 1, 2 in turn */
-            memcpy(q, q_pe + (size_t)i * h + j, sizeof q[0]);
-            *run[i % 4] += q[0] * splat8(k[i]);
-        }
-        v8f total = (run0 + run1) + (run2 + run3);
-        memcpy(out + j, &total, sizeof total);
+        memcpy(out + j, &sum, sizeof sum);
     }
     for (; j < h; j++) {
-        float run[4] = {0, 0, 0, 0};
-        for (int i = 0; i < r; i++) run[i % 4] += q_pe[(size_t)i * h + j] * k[i];
-        out[j] = (run[0] + run[1]) + (run[2] + run[3]);
+        float sum = 0;
+        for (int i = 0; i < r; i++) sum += q_pe[(size_t)i * h + j] * k[i];
+        out[j] = sum;
     }
 }
 
@@ -1123,7 +1111,7 @@ typedef struct {              /* one tile's scratch */
     float *scale, *q_pe;      /* [ROW_TILE] each row's latent query scale; [r, ROW_TILE] the rows' roped queries */
     int32_t *sum;             /* [ROW_TILE] each row's latent query code sum */
     int *keys;                /* [ROW_TILE] positions each row attends to (0 for a row past the queries) */
-    float *k_pe, *rope;       /* [r] a position's rope key, [ROW_TILE] its rope scores */
+    float *k_pe, *rope;       /* [SCORE_POSITIONS, r] positions' rope keys, [SCORE_POSITIONS, ROW_TILE] their scores */
     float *scores;            /* [keys, ROW_TILE]: scores, exponentials, probabilities */
     float *probability_scale; /* [ROW_TILE] */
     uint8_t *words;           /* [keys / 4, ROW_TILE, 4] probability bytes, four positions a row (interleave4) */
@@ -1142,7 +1130,7 @@ static Tile tile_scratch(const K2Dims *d, Bump *b) {
     t.codes = take(b, (size_t)c * ROW_TILE);
     t.scale = take(b, ROW_TILE * 4); t.q_pe = take(b, (size_t)d->rope * ROW_TILE * 4);
     t.sum = take(b, ROW_TILE * 4); t.keys = take(b, ROW_TILE * 4);
-    t.k_pe = take(b, d->rope * 4); t.rope = take(b, ROW_TILE * 4);
+    t.k_pe = take(b, (size_t)SCORE_POSITIONS * d->rope * 4); t.rope = take(b, (size_t)SCORE_POSITIONS * ROW_TILE * 4);
     t.scores = take(b, (size_t)d->max_len * ROW_TILE * 4);
     t.probability_scale = take(b, ROW_TILE * 4);
     t.words = take(b, ((size_t)d->max_len + 3) / 4 * ROW_TILE * 4);
@@ -1195,22 +1183,27 @@ static int block_queries(const Block *a, int first, Tile *t) {
     return most;
 }
 
-/* out [ROW_TILE] = rope_scores() of the tile's rows (q_pe [r, ROW_TILE]) and one position's rope key k, the same
-   sums in the same order for each row, ROW_TILE rows a pass */
-static void tile_rope_scores(const float *q_pe, const float *k, int r, float *out) {
-    vf32 run[4][ROW_VECTORS];
-    for (int m = 0; m < 4; m++)
-        for (int v = 0; v < ROW_VECTORS; v++) run[m][v] = (vf32){0};
-    int i = 0;
-    for (; i + 4 <= r; i += 4)  /* the four runs by name: they stay in registers */
-        for (int m = 0; m < 4; m++) {
-            vf32 key = splat_f32(k[i + m]);
-            for (int v = 0; v < ROW_VECTORS; v++) run[m][v] += load_f32(q_pe + (size_t)(i + m) * ROW_TILE + LANES * v) * key;
+/* out [count, ROW_TILE] = rope_scores() of the tile's rows (q_pe [r, ROW_TILE]) and each of `count` positions' rope
+   keys k [count, r] (count a constant where it is called), the same sums in the same order for each row: each
+   vector of the rows' queries loaded once for the positions */
+static inline __attribute__((always_inline)) void tile_rope_scores(const float *q_pe, const float *k, int r,
+                                                                    const int count, float *out) {
+    vf32 sum[SCORE_POSITIONS][ROW_VECTORS];
+    for (int p = 0; p < count; p++)
+        for (int v = 0; v < ROW_VECTORS; v++) sum[p][v] = (vf32){0};
+    for (int i = 0; i < r; i++) {
+        vf32 q[ROW_VECTORS];
+        for (int v = 0; v < ROW_VECTORS; v++) {
+            q[v] = load_f32(q_pe + (size_t)i * ROW_TILE + LANES * v);
+            HELD(q[v]);
         }
-    for (; i < r; i++)
-        for (int v = 0; v < ROW_VECTORS; v++)
-            run[i % 4][v] += load_f32(q_pe + (size_t)i * ROW_TILE + LANES * v) * splat_f32(k[i]);
-    for (int v = 0; v < ROW_VECTORS; v++) store_f32(out + LANES * v, (run[0][v] + run[1][v]) + (run[2][v] + run[3][v]));
+        for (int p = 0; p < count; p++) {
+            vf32 key = splat_f32(k[(size_t)p * r + i]);
+            for (int v = 0; v < ROW_VECTORS; v++) sum[p][v] += q[v] * key;
+        }
+    }
+    for (int p = 0; p < count; p++)
+        for (int v = 0; v < ROW_VECTORS; v++) store_f32(out + (size_t)p * ROW_TILE + LANES * v, sum[p][v]);
 }
 
 /* scores [keys, ROW_TILE]: each row's score of each position it attends to, as scores_task gives it (the integer
@@ -1237,16 +1230,18 @@ static void block_scores(const Block *a, Tile *t, int keys) {
                 for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = dot4(acc[p][v], w, q[v]);
             }
         }
+        for (int p = 0; p < count; p++)  /* the cached float16 rope keys */
+            halves_to_floats(a->pages->rope + cache_row_of(a->table, t0 + p) * d->rope, d->rope, t->k_pe + p * d->rope);
+        if (count == SCORE_POSITIONS) tile_rope_scores(t->q_pe, t->k_pe, d->rope, SCORE_POSITIONS, t->rope);
+        else for (int p = 0; p < count; p++) tile_rope_scores(t->q_pe, t->k_pe + p * d->rope, d->rope, 1, t->rope + p * ROW_TILE);
         for (int p = 0; p < count; p++) {
-            size_t at = cache_row_of(a->table, t0 + p);
-            halves_to_floats(a->pages->rope + at * d->rope, d->rope, t->k_pe);
-            tile_rope_scores(t->q_pe, t->k_pe, d->rope, t->rope);
-            float token_scale = a->pages->scale[at];
+            float token_scale = a->pages->scale[cache_row_of(a->table, t0 + p)];
             float *s = t->scores + (size_t)(t0 + p) * ROW_TILE;
             for (int v = 0; v < ROW_VECTORS; v++) {
                 vi32 sums = acc[p][v] - DOT_BIAS * load_i32(t->sum + LANES * v);
                 vf32 latent_score = __builtin_convertvector(sums, vf32) * load_f32(t->scale + LANES * v) * token_scale;
-                store_f32(s + LANES * v, (latent_score + load_f32(t->rope + LANES * v)) * d->softmax_scale);
+                store_f32(s + LANES * v, (latent_score + load_f32(t->rope + (size_t)p * ROW_TILE + LANES * v)) *
+                                         d->softmax_scale);
             }
         }
     }
