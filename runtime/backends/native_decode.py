@@ -45,7 +45,7 @@ from ...core.errors import K2Error
 from ...core.host_memory import available_memory
 from ...core.manifest import Manifest
 from ...core.onnx_wire import external_initializers
-from .mapped_file import MappedFile, populate_all
+from .mapped_file import MappedFile
 from .native_build import NativeUnavailable, contract, library
 from .core_leases import core_leases
 from .thread_pool import core_cpus
@@ -209,8 +209,6 @@ class NativeDecoder:
             self.model.head = head.linear("lm_head", c.vocab_size, c.hidden_size)
         # the one read of the data files, into the page cache, checked against the manifest's digests
         manifest.verify([g.data_name for g in self.graphs if g.data_name in manifest.unhashed])
-        populate_all([g.file for g in self.graphs], os.cpu_count() or 1)  # then mapped whole: no step faults in an
-        # expert's pages at its first use
         self.max_len, self.threads_asked, self.batch = max_len, min(threads, built["max_threads"]), 0
         self.scratch = np.zeros(0, np.float32)
         self._room_for(1, NativeUnavailable)
