@@ -751,7 +751,11 @@ static void rope(float *x, int r, const float *turns) {
     }
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
+/* silu(x) = x / (1 + exp(-x)) of each lane, through exp_lanes of -|x|: x / (1 + e) where x >= 0, x e / (e + 1) below */
+static inline vf32 silu_lanes(vf32 x) {
+    vf32 e = exp_lanes((vf32)((vi32)x | (vi32)splat_f32(-0.0f)));
+    return (vf32)pick(x < 0, (vi32)(x * e), (vi32)x) / (1.0f + e);
+}
 
 /* a . b over n floats, a vector of lanes at a time (a plain sum would chain every add on the one before) */
 static float dot_f32(const float *a, const float *b, int n) {
@@ -1545,8 +1549,13 @@ static void activation_row(void *arg, int row, char *own) {
     const Activations *a = &all->part[lo];
     int j = row - all->first[lo];
     const float *g = a->gate + (size_t)j * a->stride, *u = a->up + (size_t)j * a->stride;
-    float *act = (float *)own;
-    for (int i = 0; i < a->width; i++) act[i] = silu(g[(size_t)a->step * i]) * u[(size_t)a->step * i];
+    int padded = (a->width + LANES - 1) / LANES * LANES;
+    float *act = (float *)own, *gate = act + padded, *up = gate + padded;
+    for (int i = 0; i < padded; i++) {  /* gathered (every step-th value), the last vector padded with zeros */
+        gate[i] = i < a->width ? g[(size_t)a->step * i] : 0;
+        up[i] = i < a->width ? u[(size_t)a->step * i] : 0;
+    }
+    for (int i = 0; i < padded; i += LANES) store_f32(act + i, silu_lanes(load_f32(gate + i)) * load_f32(up + i));
     quantize(act, &a->h[j]);
     if (a->bits == 4) by_nibbles(&a->h[j]);
 }
@@ -1561,7 +1570,7 @@ static void activations(Activations *part, int parts, int block, int widest, Bum
         first[u + 1] = first[u] + part[u].count;
     }
     AllActivations all = {parts, part, first};
-    each_row(activation_row, &all, first[parts], (size_t)widest * 4, b);
+    each_row(activation_row, &all, first[parts], (size_t)3 * (widest + LANES) * 4, b);
 }
 
 typedef struct {
@@ -1776,7 +1785,8 @@ long k2_scratch_floats(const K2Model *m, int threads, int batch) {
                           (size_t)(d->top_k + 8) * (64 * 8 + 2 * sizeof(Quant) + 8 * sizeof(void *) + 2 * sizeof(K2Lin)) +
                           experts * 4;
     size_t row = MAX(MAX(d->hidden, d->q_rank), MAX(d->latent, d->heads * d->v)) + 64;  /* each_row's own scratch */
-    for (int i = 0; i < m->layers; i++) row = MAX(row, (size_t)m->layer[i].width + 64);
+    for (int i = 0; i < m->layers; i++)  /* the activations' (the widest of an expert and the dense or shared MLP) */
+        row = MAX(row, (size_t)3 * (MAX(m->layer[i].width, m->layer[i].gate.n) + 64));
     size_t rows = (size_t)EACH_ROW_CALLS * threads * row * 4 + (size_t)batch * (d->top_k + 2) * (sizeof(Activations) + 4);
     size_t bytes = 64 * 1024 + (size_t)batch * per_sequence + experts * 4 + step_attention_bytes(d, threads) +
                    rows + (size_t)4 * 4096;
