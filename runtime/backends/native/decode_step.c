@@ -1220,6 +1220,8 @@ static void block_scores(const Block *a, Tile *t, int keys) {
         const uint8_t *row[SCORE_POSITIONS];
         for (int p = 0; p < SCORE_POSITIONS; p++)
             row[p] = a->pages->latent + cache_row_of(a->table, t0 + MIN(p, count - 1)) * c;
+        for (int p = t0 + SCORE_POSITIONS; p < MIN(t0 + 2 * SCORE_POSITIONS, keys); p++)  /* the next group's rows */
+            for (int at = 0; at < c; at += 64) __builtin_prefetch(a->pages->latent + cache_row_of(a->table, p) * c + at);
         vi32 acc[SCORE_POSITIONS][ROW_VECTORS];
         for (int p = 0; p < SCORE_POSITIONS; p++)
             for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = (vi32){0};
@@ -1329,7 +1331,10 @@ static void block_values(const Block *a, Tile *t, int keys) {
     for (int t0 = 0; t0 < keys; t0 += PAGE) {
         int rows = MIN(keys, t0 + PAGE) - t0, groups = (rows + 3) / 4;
         const uint8_t *page = a->pages->latent + cache_row_of(a->table, t0) * c_dim;
+        const uint8_t *next = t0 + PAGE < keys ? a->pages->latent + cache_row_of(a->table, t0 + PAGE) * c_dim : NULL;
         for (int c = 0; c < c_dim; c += VBYTES) {
+            if (next)  /* the next page's run of these columns, while this one's are multiplied */
+                for (int row = 0; row < MIN(PAGE, keys - t0 - PAGE); row++) __builtin_prefetch(next + (size_t)row * c_dim + c);
             vi32 codes[4] = {{0}};
             for (int g = 0; g < groups; g++) {
                 vi8 r[4], quad[4];
