@@ -104,6 +104,8 @@ def cmd_export(args: argparse.Namespace) -> None:
     from tqdm import tqdm
 
     exporter = _export_side()
+    if not args.checkpoint.strip():  # Path("") is the working folder
+        raise K2Error("the checkpoint path is empty; give the checkpoint's folder")
     check_output_folder(args.out, "--out")
     from ..core.targets import default_target
 

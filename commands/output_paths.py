@@ -41,6 +41,8 @@ def check_output_file(path: str | Path, option: str | None = None) -> None:
 def check_output_folder(path: str | Path, option: str | None = None) -> None:
     """A K2Error unless a folder can be made (or kept) at `path` and written into: the part of it that exists is a
     folder that takes new files, and the names it adds fit."""
+    if not str(path).strip():  # Path("") is the working folder: never taken for a folder the user did not name
+        raise K2Error(f"{option or 'the output folder'} is empty; give a folder to write into")
     path, label = Path(path), _label(path, option)
     existing = _nearest_existing(path)
     if not os.path.isdir(existing):

@@ -26,6 +26,7 @@ from .runtime_options import add_runtime_options
 
 MAX_BATCH = 4096  # requests running at once, at most (each is a row of every forward)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # the longest of the server's timeouts
 DRAIN_GRACE_S = 5.0  # after the drain ends, time for the failed requests' last events to reach their clients
 API_KEY_VARIABLE = "K2DEPLOY_API_KEY"
 KEY_FILE_BYTES = 4096  # an --api-key-file, at most
@@ -111,6 +112,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"--max-connections must be at least 1, got {args.max_connections}")
     if not args.drain_timeout >= 0:
         raise K2Error(f"--drain-timeout must be at least 0 seconds, got {args.drain_timeout}")
+    for option in ("body_timeout", "header_timeout", "drain_timeout"):  # a timer past this overflows the clock
+        if getattr(args, option) > MAX_TIMEOUT_S:
+            raise K2Error(f"--{option.replace('_', '-')} must be at most {MAX_TIMEOUT_S:g} seconds (a week), got "
+                          f"{getattr(args, option):g}")
     for origin in args.allow_origin:
         if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
             raise K2Error(f"--allow-origin {origin!r} is not an origin; give scheme and host, e.g. "
@@ -183,7 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    """--api-key, else the first line of --api-key-file, else $K2DEPLOY_API_KEY; an empty key is refused."""
+    """--api-key, else the first line of --api-key-file, else $K2DEPLOY_API_KEY, without the spaces around it
+    (an HTTP header's value never carries them, so a key with them could never match); an empty key is refused."""
     if args.api_key is not None:
         key, source = args.api_key, "--api-key"
     elif args.api_key_file:
@@ -195,7 +201,7 @@ def _api_key(args: argparse.Namespace) -> str | None:
         return None
     if not key.strip():
         raise K2Error(f"{source} is empty: an empty key would let anyone in; give a key or none at all")
-    return key
+    return key.strip()
 
 
 def exposure_warning(host: str, api_key: str | None) -> str | None:

@@ -130,9 +130,21 @@ def test_an_empty_layer_range_is_called_empty(tiny_checkpoint, tmp_path):
               "--layers 2:1 is empty")
 
 
+def test_an_empty_checkpoint_or_output_path_is_refused_and_nothing_is_written(tiny_checkpoint, tmp_path, monkeypatch):
+    """"" is not the working folder: `export "" --out art` names the empty checkpoint path, `export CKPT --out ""`
+    the empty --out, and neither writes a file where it runs."""
+    monkeypatch.chdir(tmp_path)
+    _one_line(run_cli("export", "", "--out", tmp_path / "art"), "the checkpoint path is empty")
+    _one_line(run_cli("export", tiny_checkpoint, "--out", ""), "--out is empty")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("option, message", [(["--max-batch", "100000"], "is more than this server runs at once"),
                                              (["--body-timeout", "0"], "--body-timeout must be more than 0"),
                                              (["--drain-timeout", "nan"], "--drain-timeout must be at least 0"),
+                                             (["--drain-timeout", "inf"], "--drain-timeout must be at most 604800"),
+                                             (["--drain-timeout", "1e12"], "--drain-timeout must be at most"),
+                                             (["--header-timeout", "inf"], "--header-timeout must be at most"),
                                              (["--allow-origin", "evil"], "is not an origin")])
 def test_serve_options_out_of_range_are_one_line_before_loading(tiny_cpu_artifact, option, message):
     _one_line(run_cli("serve", tiny_cpu_artifact, "--port", "0", *option), message)

@@ -229,3 +229,23 @@ def test_serving_beyond_this_machine_without_a_key_is_warned_about():
     assert "reachable from other machines" in exposure_warning("::", None)
     assert exposure_warning("0.0.0.0", "sesame") is None
     assert exposure_warning("127.0.0.1", None) is None and exposure_warning("::1", None) is None
+
+
+@pytest.mark.parametrize("source", ["option", "environment", "file"])
+def test_an_api_key_is_taken_without_the_spaces_around_it_from_every_source(tmp_path, monkeypatch, source):
+    """A client's `Authorization: Bearer KEY` header never carries spaces around KEY, so a key given with them
+    (`--api-key ' sekrit '`, K2DEPLOY_API_KEY='sekrit ') is the key without them, as a key file's line is."""
+    import argparse
+
+    from k2deploy.commands.serve_command import API_KEY_VARIABLE, _api_key
+
+    args = argparse.Namespace(api_key=None, api_key_file=None)
+    monkeypatch.delenv(API_KEY_VARIABLE, raising=False)
+    if source == "option":
+        args.api_key = " sekrit "
+    elif source == "environment":
+        monkeypatch.setenv(API_KEY_VARIABLE, "sekrit \t")
+    else:
+        (tmp_path / "key").write_text("  sekrit\n")
+        args.api_key_file = str(tmp_path / "key")
+    assert _api_key(args) == "sekrit"
