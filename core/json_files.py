@@ -19,7 +19,7 @@ def loads(text: str | bytes, max_depth: int = MAX_DEPTH) -> Any:
         value = json.loads(text)
     except RecursionError:
         value = None
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):  # bytes that are not UTF-8 are the caller's to name
         raise
     except ValueError:  # an integer of more digits than Python converts (4,300): garbled input as well
         raise json.JSONDecodeError("a number with too many digits", "", 0) from None

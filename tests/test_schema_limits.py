@@ -70,6 +70,16 @@ def test_generate_with_a_top_k_past_the_vocabulary_samples_from_all_of_it(tiny_c
     assert len(json.loads(done.stdout)["token_ids"]) == 3
 
 
+@pytest.mark.parametrize("body", [b'{"model": "m", "prompt": "\xff\xfe"}', b"\xff\xfe{}", '{"a": "é"}'.encode("latin-1")])
+def test_a_body_that_is_not_utf8_is_called_so(body):
+    """Bytes that are not UTF-8 are a 400 that says so (they were "a number with too many digits")."""
+    from k2deploy.runtime.serve.protocol import ApiError, parse_json
+
+    with pytest.raises(ApiError, match=r"\(not UTF-8\)") as refused:
+        parse_json(body)
+    assert refused.value.status == 400 and refused.value.code == "invalid_json"
+
+
 def test_a_number_of_thousands_of_digits_is_garbled_json_not_a_crash(tiny_cpu_artifact, tmp_path):
     """Python refuses to convert integers past 4,300 digits with a ValueError that was a 500 and a traceback."""
     from k2deploy.runtime.serve.protocol import ApiError, parse_json
