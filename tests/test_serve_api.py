@@ -384,6 +384,13 @@ def test_api_key_queue_full_and_sigterm_drain(guarded_server):
     assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": "bearer sesame"}).status_code == 200
     client = server.client(api_key="sesame")
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens <= 2
+    # more choices than the slot and the queue hold together, on an idle server: a 400 naming the limit, never a
+    # 503 to retry forever
+    never = httpx.post(f"{server.url}/v1/completions", headers=key, timeout=30,
+                       json={"model": MODEL, "prompt": ["a", "b"], "max_tokens": 2})
+    assert never.status_code == 400 and "holds at most 1 at once" in never.json()["error"]["message"], never.text
+    with pytest.raises(openai.BadRequestError, match="Send fewer prompts or a smaller n"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=3)
 
     # --allow-origin: that origin's pages may call (the preflight needs no key), no other's
     for origin, allowed in (("http://localhost:3000", True), ("https://evil.example", False)):

@@ -137,7 +137,14 @@ class Service:
         return GenerationRequest(prompt_ids, params, deliver, row=row, constraint=constraint, answer=answer)
 
     def submit(self, jobs: list[GenerationRequest], chat: bool) -> None:
-        """Queues every choice of the request, or none of them."""
+        """Queues every choice of the request, or none of them; a request of more choices than the slots and the
+        queue hold together could never be queued: a 400 that names the limit, not a 503 to retry."""
+        scheduler = self.engine.loop.scheduler
+        room = len(scheduler.slots) + scheduler.max_queue
+        if len(jobs) > room:
+            raise bad_request(f"This request asks for {len(jobs)} generations (its prompts times n) and this server "
+                              f"holds at most {room} at once ({len(scheduler.slots)} running, {scheduler.max_queue} "
+                              f"waiting: --max-batch and --max-queue). Send fewer prompts or a smaller n.", param="n")
         try:
             for job in jobs:
                 self.engine.submit(job)
