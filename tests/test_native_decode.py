@@ -384,6 +384,24 @@ def test_the_build_says_what_is_missing_and_leaves_only_finished_libraries(tmp_p
         assert native_build.build() == built and built.read_bytes() == whole
 
 
+@pytest.mark.parametrize("writes, message", [("", "exited without writing a library"),
+                                             ("printf 'not a library' > \"$out\"", "is not its library")])
+def test_a_compiler_that_writes_nothing_or_garbage_is_named_and_nothing_is_sealed(tmp_path, monkeypatch, writes,
+                                                                                 message):
+    """CC=/bin/true (exits 0, writes nothing) or a CC that writes a file that is no library: the refusal names the
+    compiler, not the cache folder, and the cache keeps nothing that a later load would take."""
+    compiler = tmp_path / "cc"
+    compiler.write_text('#!/bin/sh\nout=""\nwhile [ $# -gt 0 ]; do [ "$1" = -o ] && out="$2"; shift; done\n'
+                        + (writes or "true") + "\n")
+    compiler.chmod(0o755)
+    monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(compiler))
+    with pytest.raises(NativeUnavailable, match=message) as refused:
+        native_build.build()
+    assert str(compiler) in str(refused.value) and "K2DEPLOY_NATIVE_CACHE" not in str(refused.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
 def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_artifact, tiny_artifacts):
     runs = {(decode, threads): run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                                        "--json", "--decode", decode, "--threads", threads)

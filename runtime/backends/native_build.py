@@ -159,6 +159,7 @@ def build(isa: str = "native") -> Path:
             if done.returncode != 0:
                 reason = (done.stderr.strip().splitlines() or ["no message"])[0][:300]
                 raise NativeUnavailable(f"{compiler} could not build {SOURCE.name}: {reason}")
+            _check_built(compiler, built)  # before it is sealed into the cache
             seal = Path(scratch) / (target.name + ".sha256")
             seal.write_text(_digest(built))
             os.replace(built, target)
@@ -169,6 +170,20 @@ def build(isa: str = "native") -> Path:
     except subprocess.SubprocessError as exc:
         raise NativeUnavailable(f"{compiler} did not finish building {SOURCE.name} ({exc})") from None
     return target
+
+
+def _check_built(compiler: str, built: Path) -> None:
+    """NativeUnavailable unless `compiler` wrote a library there that loads and holds the step (a compiler that
+    exits 0 and writes nothing, or writes something else, is named, not the cache folder)."""
+    if not built.is_file() or built.stat().st_size == 0:
+        raise NativeUnavailable(f"{compiler} exited without writing a library for {SOURCE.name}; set CC to a C "
+                                f"compiler (gcc or clang)")
+    try:
+        lib = ctypes.CDLL(str(built))
+        lib.k2_isa  # noqa: B018 (a symbol the step's library holds)
+    except (OSError, AttributeError):
+        raise NativeUnavailable(f"{compiler} wrote a file for {SOURCE.name} that is not its library (it does not "
+                                f"load); set CC to a C compiler (gcc or clang)") from None
 
 
 def library(isa: str | None = None) -> ctypes.CDLL:
