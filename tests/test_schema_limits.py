@@ -37,6 +37,26 @@ def test_schemas_past_a_limit_are_refused_naming_it(schema, words):
         check_tools(_tool(schema))
 
 
+@pytest.mark.parametrize("schema, loop", [
+    ({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}, "#/\\$defs/a -> #/\\$defs/a"),
+    ({"$ref": "#"}, "# -> #"),
+    ({"$defs": {"a": {"$ref": "#/$defs/b", "title": "A"}, "b": {"$ref": "#/$defs/a"}},
+      "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}}, "#/\\$defs/b -> #/\\$defs/a -> #/\\$defs/b"),
+])
+def test_a_schema_that_refers_only_to_itself_is_refused(schema, loop):
+    """A loop of references that say nothing else defines no value: it was a 200 with empty content and finish
+    "stop" (no JSON value); now a refusal naming the loop, for response_format as for tools."""
+    from k2deploy.runtime.serve.protocol import ApiError, parse_options
+
+    with pytest.raises(SchemaTooLarge, match=f"refers only to itself: {loop}"):
+        check_schema(schema)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+    with pytest.raises(ApiError, match="refers only to itself") as refused:
+        parse_options(body, chat=True)
+    assert refused.value.status == 400 and refused.value.param == "response_format"
+
+
 def test_schemas_within_the_limits_pass_recursive_and_shared_ones_too():
     tree = {"$ref": "#/$defs/node", "$defs": {"node": {"type": "object", "properties": {
         "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}}

@@ -35,6 +35,10 @@ class SchemaTooLarge(K2Error):
     """A schema past one of LIMITS: the request's fault (a 400 that names the limit)."""
 
 
+# keys that constrain nothing: a schema of only these and a `$ref` is its reference and no more
+BARE_KEYS = {"$ref", "$defs", "definitions", "$schema", "$id", "$comment", "title", "description"}
+
+
 def check_schema(schema: object, what: str = "the schema", limits: SchemaLimits = LIMITS) -> None:
     """A SchemaTooLarge naming the first limit `schema` passes, else None."""
     Walk(schema, what, limits).schema(schema, 1, ())
@@ -70,9 +74,23 @@ class Walk:
             for child in children:
                 self.schema(child, depth + 1, path)
         ref = node.get("$ref")
+        if isinstance(ref, str):
+            self.no_bare_loop(ref)
         if isinstance(ref, str) and ref not in path and self.depths.get(ref, -1) < depth:
             self.depths[ref] = depth
             self.schema(self.resolve(ref), depth, (*path, ref))
+
+    def no_bare_loop(self, ref: str) -> None:
+        """A refusal where `ref` leads back to itself through schemas that say nothing but their own `$ref`: such a
+        loop defines no value (an engine answers nothing and calls it done)."""
+        chain = [ref]
+        target = self.resolve(ref)
+        while isinstance(target, dict) and isinstance(target.get("$ref"), str) and set(target) <= BARE_KEYS:
+            chain.append(target["$ref"])
+            if chain[-1] in chain[:-1]:
+                raise SchemaTooLarge(f"{self.what} refers only to itself: {' -> '.join(chain)} leads back through "
+                                     f"$refs alone and defines no value; give the reference a schema of its own")
+            target = self.resolve(chain[-1])
 
     def resolve(self, ref: str) -> object:
         """A local reference (`#/$defs/name`, a JSON pointer into the root) -> its schema; None for any other
