@@ -167,8 +167,8 @@ def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
 
 
 def _prompt_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
+    try:  # one trailing comma is forgiven; an empty id between two is not (1,,2)
+        return [int(t) for t in text.strip().removesuffix(",").split(",")]
     except ValueError:
         raise K2Error(f"--prompt-ids {text!r}: expected comma-separated integers, e.g. 1,2,3") from None
 

@@ -154,7 +154,36 @@ def test_serve_options_out_of_range_are_one_line_before_loading(tiny_cpu_artifac
                                              (["--logit-bias", "99999=1"], "outside the vocabulary"),
                                              (["--logit-bias", "5=101"], "[-100, 100]"),
                                              (["--min-p", "2"], "min_p must lie in [0, 1]"),
-                                             (["--presence-penalty", "9"], "presence_penalty must lie in [-2, 2]")])
+                                             (["--presence-penalty", "9"], "presence_penalty must lie in [-2, 2]"),
+                                             (["--seed", str(10**23)], "seed must fit in a signed 64-bit integer"),
+                                             (["--seed", str(-2**63 - 1)], "seed must fit")])
 def test_generate_sampling_options_out_of_range_are_one_line(tiny_cpu_artifact, option, message):
     _one_line(run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2", "--max-new-tokens", "2", *option),
               message)
+
+
+@pytest.mark.parametrize("ids", ["1,,2", ",1", "1, ,2"])
+def test_prompt_ids_with_an_empty_id_are_refused(tiny_cpu_artifact, ids):
+    _one_line(run_cli("generate", tiny_cpu_artifact, "--prompt-ids", ids, "--max-new-tokens", "1"),
+              "expected comma-separated integers")
+
+
+@pytest.mark.parametrize("value", ["OFF", "Off", " off "])
+def test_core_leases_off_in_any_case_makes_no_folder(tmp_path, monkeypatch, value):
+    from k2deploy.runtime.backends.core_leases import LEASES_VARIABLE, lease_folder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(LEASES_VARIABLE, value)
+    assert lease_folder() is None and list(tmp_path.iterdir()) == []
+
+
+def test_core_leases_in_a_relative_folder_are_refused_and_no_folder_is_made(tmp_path, monkeypatch):
+    from k2deploy.runtime.backends.core_leases import LEASES_VARIABLE, lease_folder
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(LEASES_VARIABLE, "leases")
+    with pytest.raises(K2Error, match="give an absolute folder"):
+        lease_folder()
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(LEASES_VARIABLE, str(tmp_path / "leases"))
+    assert lease_folder() == tmp_path / "leases"

@@ -18,16 +18,20 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ...core.errors import K2Error
+
 LEASES_VARIABLE = "K2DEPLOY_CORE_LEASES"
 _opened: dict[Path, int] = {}  # each lease file's descriptor, open for the process's life (the pool holds its number)
 
 
 def lease_folder() -> Path | None:
     """The folder of the host's lease files (made where missing), or None: no leases."""
-    named = os.environ.get(LEASES_VARIABLE)
-    if named == "off" or not hasattr(os, "getuid"):
+    named = os.environ.get(LEASES_VARIABLE, "").strip()
+    if named.lower() == "off" or not hasattr(os, "getuid"):
         return None
     if named:
+        if not os.path.isabs(named):  # never a folder made wherever the process happens to run
+            raise K2Error(f"{LEASES_VARIABLE}={named!r}: give an absolute folder for the host's core leases, or off")
         folder = Path(named)
     else:
         shared = Path("/dev/shm")

@@ -16,6 +16,9 @@ BIAS_RANGE = (-100.0, 100.0)  # a logit_bias value, as OpenAI takes it
 MAX_TOP_LOGPROBS = 20
 
 
+SEED_RANGE = (-(2**63), 2**63)  # a seed: a signed 64-bit integer, as OpenAI's API takes it
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0: greedy
@@ -53,6 +56,8 @@ class SamplingParams:
             raise K2Error("each logit_bias value must lie in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise K2Error(f"top logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise K2Error(f"seed must fit in a signed 64-bit integer, got {self.seed}")
 
     @property
     def adjusts_logits(self) -> bool:

@@ -20,13 +20,12 @@ from ...core.json_files import loads
 from ..text.chat_tools import check_tool_choice, check_tools, normalise_call_ids
 from ..text.schema_limits import SchemaTooLarge, check_schema
 from ..engine.requests import TokenLogprob
-from ..engine.sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE
+from ..engine.sampling import BIAS_RANGE, MAX_TOP_LOGPROBS, PENALTY_RANGE, SEED_RANGE
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # serve --max-request-bytes
 DEFAULT_BODY_TIMEOUT_S = 30.0  # serve --body-timeout
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256  # characters of one stop string, at most: each token's text is checked against them all
-SEED_RANGE = (-(2**63), 2**63)
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 # Options a client may send as long as they ask for nothing this server would have to do.
