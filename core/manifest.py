@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .config import ModelConfig
 from .errors import K2Error
-from .file_hashes import SMALLEST_CHUNK, chunk_count, chunk_key, files_matching
+from .file_hashes import CHUNK_DIGESTS, SMALLEST_CHUNK, chunk_count, chunk_key, files_matching
 from .json_files import check_version, read_document
 from .onnx_wire import graph_facts
 
@@ -164,6 +164,10 @@ def _check_shape(root: Path, data: dict) -> None:
         key = chunk_key(record)
         need(key is not None or (isinstance(record.get("sha256"), str) and HEX_DIGEST.match(record["sha256"])),
              f"files[{name!r}] must hold a sha256 or chunk digests")
+        need(key != "chunk_blake3" or not ({"sha256", "chunk_sha256"} & set(record)),  # it would go unchecked
+             f"files[{name!r}] must hold BLAKE3 chunk digests alone, not a sha256 beside them")
+        need(key != "chunk_blake3" or data.get("format_version") != 4,
+             f"files[{name!r}] holds BLAKE3 chunk digests, which format version 4 does not have")
         if key is not None:
             step, chunks = record.get("chunk_bytes"), record[key]
             need(isinstance(step, int) and not isinstance(step, bool) and step >= SMALLEST_CHUNK and isinstance(chunks, list)

@@ -95,6 +95,10 @@ CASES = {
                              "must hold a digest for each of its chunk_bytes chunks"),
     "a chunk digest altered": (_set(["files", "graphs/layer_001.data", "chunk_blake3", 0], "0" * 64),
                                "file graphs/layer_001.data does not match its digests"),
+    "a sha256 beside BLAKE3 chunk digests": (_set(["files", "graphs/layer_001.data", "sha256"], "0" * 64),
+                                            "must hold BLAKE3 chunk digests alone, not a sha256 beside them"),
+    "BLAKE3 chunk digests in a version 4 manifest": (_set(["format_version"], 4),
+                                                     "which format version 4 does not have"),
     "a data file's record as a wrong whole sha256": (
         lambda d, a: d["files"].__setitem__("graphs/layer_001.data", {
             "bytes": d["files"]["graphs/layer_001.data"]["bytes"], "sha256": "0" * 64}),
