@@ -130,6 +130,9 @@ def cmd_export(args: argparse.Namespace) -> None:
                     print(f"export: {event['tokenizer']}", file=sys.stderr, flush=True)
                     for note in event["notes"]:
                         print(f"export: note: {note}", file=sys.stderr, flush=True)
+                if event["discarded"] and not args.json:
+                    print(f"export: the unfinished export in {args.out} is not kept: {event['discarded']}; writing "
+                          f"every graph again", file=sys.stderr)
                 if event["reused"] and not args.json:
                     print(f"export: resuming: {event['reused']} graphs kept from the unfinished export, "
                           f"{event['to_write']} to write", file=sys.stderr)

@@ -31,6 +31,7 @@ import torch
 from ..core.cache_format import NAMES as CACHE_NAMES
 from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.checkpoint import layout
+from ..core.checkpoint.identity import changed, checkpoint_identity
 from ..core.checkpoint.reader import Checkpoint
 from ..core import native_tiles
 from ..core.config import ModelConfig
@@ -119,11 +120,13 @@ def trace_kind(config: ModelConfig, kind: str, cache_format: str, opset: int, ta
 
 
 class Journal:
-    """Finished graphs of an export in progress, with the options they were made with."""
+    """Finished graphs of an export in progress, with the options and the checkpoint files (their identity:
+    core/checkpoint/identity.py) they were made from; graphs of other options or other files are not kept
+    (`discarded` says why)."""
 
-    def __init__(self, out: Path, options: ExportOptions):
+    def __init__(self, out: Path, options: ExportOptions, source: dict):
         self.path = out / JOURNAL_FILE
-        self.options = asdict(options)
+        self.options, self.source, self.discarded = asdict(options), source, None
         try:
             data = loads(self.path.read_text()) if self.path.exists() else {}
             if not isinstance(data, dict) or not isinstance(data.get("done", {}), dict):
@@ -132,6 +135,9 @@ class Journal:
             raise K2Error(f"{self.path}: the export journal is corrupt ({exc}); rerun export with --force to "
                           f"start over") from None
         self.done: dict = data.get("done", {}) if data.get("options") == json.loads(json.dumps(self.options)) else {}
+        moved = changed(data.get("checkpoint") if isinstance(data.get("checkpoint"), dict) else {}, source)
+        if self.done and moved:
+            self.done, self.discarded = {}, f"the checkpoint's files changed since ({moved})"
 
     def finished(self, job: GraphJob, out: Path) -> bool:
         records = self.done.get(job.stem)
@@ -139,7 +145,12 @@ class Journal:
 
     def record(self, job: GraphJob, records: dict) -> None:
         self.done[job.stem] = records
-        write_json_atomically(self.path, {"options": self.options, "done": self.done})
+        self.save()
+
+    def save(self) -> None:
+        """Written before the export writes anything else: the folder is this export's from then on (a rerun
+        resumes it, where a folder of other files is refused)."""
+        write_json_atomically(self.path, {"options": self.options, "checkpoint": self.source, "done": self.done})
 
 
 def export_artifact(options: ExportOptions, out: Path, force: bool = False,
@@ -170,7 +181,9 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
         if not 0 <= start < stop <= config.num_hidden_layers:
             raise K2Error(f"--layers {start}:{stop} is outside the model's layers 0:{config.num_hidden_layers}")
     _prepare(out, force)
-    journal = Journal(out, options)
+    source = checkpoint_identity(Path(options.checkpoint), ["config.json", *(p.name for p in checkpoint.shards())])
+    journal = Journal(out, options, source)
+    journal.save()
     graphs_dir = out / GRAPH_DIR
     graphs_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan(config, options.layers)
@@ -183,7 +196,7 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     on_total(remaining)
     reused = sum(journal.finished(job, out) for job in jobs)
     on_graph({"reused": reused, "to_write": len(jobs) - reused, "tokenizer": tokenizer,
-              "notes": _weight_notes(config, options)})
+              "notes": _weight_notes(config, options), "discarded": journal.discarded})
 
     lowering = Lowering(options.target, options.weights)
     traces: dict[str, tuple] = {}
@@ -291,17 +304,39 @@ def _check_tokenizer(checkpoint: Path, vocab_size: int) -> str:
 
 
 def _prepare(out: Path, force: bool) -> None:
+    """`out` made ready: new or empty, an unfinished export's (resumed), or with --force an artifact's, whose own
+    files (those its manifest lists, then the manifest) are removed; a folder holding anything else is refused, so
+    that no file the export did not write is replaced or removed."""
     if out.exists() and not out.is_dir():
         raise K2Error(f"{out} exists and is not a directory")
-    if (out / MANIFEST_FILE).exists():
+    listed = _artifact_files(out)
+    if listed is not None:
         if not force:
             raise K2Error(f"{out} already holds an exported artifact; pass --force to export again")
         (out / MANIFEST_FILE).unlink()  # from here on the old artifact no longer loads
-    if force:
-        shutil.rmtree(out / GRAPH_DIR, ignore_errors=True)
-        shutil.rmtree(out / TOKENIZER_DIR, ignore_errors=True)
+        for name in listed:
+            (out / name).unlink(missing_ok=True)
         (out / JOURNAL_FILE).unlink(missing_ok=True)
+    elif out.is_dir() and not (out / JOURNAL_FILE).is_file():
+        foreign = next(iter(sorted(out.iterdir())), None)
+        if foreign is not None:
+            raise K2Error(f"{out} is not empty and holds no artifact ({foreign.name} is in it); export into a new or "
+                          f"empty folder (--force replaces only an artifact)")
     out.mkdir(parents=True, exist_ok=True)
+
+
+def _artifact_files(out: Path) -> list[str] | None:
+    """The files an artifact's manifest in `out` lists (its own names, inside `out`), or None where `out` holds no
+    manifest of an artifact (a manifest.json that is not one is not taken for one)."""
+    try:
+        data = loads((out / MANIFEST_FILE).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+    if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("files"), dict)):
+        return None
+    inside = out.resolve()
+    return [name for name in data["files"] if isinstance(name, str) and (out / name).resolve().is_relative_to(inside)
+            and (out / name).resolve() != inside]
 
 
 def _job_bytes(checkpoint: Checkpoint, job: GraphJob) -> int:
@@ -361,7 +396,9 @@ def _manifest(options: ExportOptions, config: ModelConfig, jobs: list[GraphJob],
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": "embed" in described,
         "model_config": config.to_dict(),
-        "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint))},
+        "checkpoint": {"path": str(Path(options.checkpoint).resolve()), "index_sha256": _index_digest(Path(options.checkpoint)),
+                       "files": {name: {k: v for k, v in record.items() if k in ("bytes", "sampled_blake3")}
+                                 for name, record in journal.source.items()}},
         "kv_cache": CacheFormat.for_config(config, options.kv_cache).description(),
         "target": options.target,
         "weights": get_target(options.target).weights,

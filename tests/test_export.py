@@ -105,6 +105,8 @@ def test_an_export_stopped_mid_graph_leaves_no_half_written_file(tiny_checkpoint
     with pytest.raises(Terminated):
         export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu"), tmp_path / "art", on_progress=stop)
     assert os.listdir(tmp_path / "art" / "graphs") == []
+    export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu"), tmp_path / "art")  # the rerun takes it up
+    load_manifest(tmp_path / "art")
 
 
 def test_export_refuses_to_overwrite_and_force_redoes(tiny_artifacts, tiny_checkpoint):
@@ -176,3 +178,44 @@ def test_progress_without_a_terminal_is_a_line_per_graph_and_a_resume_says_what_
     assert lines[0] == "export: resuming: 2 graphs kept from the unfinished export, 3 to write"
     assert [line.split()[1] for line in lines[1:]] == ["layer_001", "layer_002", "head"]
     assert all(" written (" in line for line in lines[1:])
+
+
+def test_a_resume_over_another_checkpoints_bytes_writes_every_graph_again(tmp_path, monkeypatch):
+    """seed 1's export stopped after two graphs, the checkpoint rewritten with seed 2 in the same folder, the export
+    run again: nothing of seed 1 is kept (it says so), and the artifact is seed 2's own, graph for graph."""
+    checkpoint, out, fresh = tmp_path / "ckpt", tmp_path / "art", tmp_path / "fresh"
+    assert run_cli("make-checkpoint", checkpoint, "--preset", "tiny", "--seed", "1").returncode == 0
+    _export_interrupted_after_two_graphs(checkpoint, out, monkeypatch)
+    assert run_cli("make-checkpoint", checkpoint, "--preset", "tiny", "--seed", "2", "--force").returncode == 0
+    resumed = run_cli("export", checkpoint, "--out", out)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "is not kept: the checkpoint's files changed since" in resumed.stderr and "resuming" not in resumed.stderr
+    assert run_cli("export", checkpoint, "--out", fresh).returncode == 0
+    for name in ("embed", "layer_000", "head"):
+        assert (out / "graphs" / f"{name}.data").read_bytes() == (fresh / "graphs" / f"{name}.data").read_bytes()
+    sources = json.loads((out / MANIFEST_FILE).read_text())["checkpoint"]["files"]
+    assert set(sources) >= {"config.json"} and all(len(r["sampled_blake3"]) == 64 for r in sources.values())
+
+
+def test_out_never_touches_a_file_the_export_did_not_write(tiny_checkpoint, tmp_path):
+    """A folder that is not an artifact is refused (one line naming a file in it), with --force too, its files
+    untouched; --force over an artifact removes only the artifact's own files; the checkpoint's parent is refused."""
+    user = tmp_path / "u"
+    (user / "graphs").mkdir(parents=True)
+    (user / "graphs" / "embed.onnx").write_text("mine")
+    for extra in ([], ["--force"]):
+        refused = run_cli("export", tiny_checkpoint, "--out", user, *extra)
+        assert refused.returncode == 2 and "is not empty and holds no artifact (graphs is in it)" in refused.stderr
+    (user / MANIFEST_FILE).write_text('{"name": "my notes"}')  # a manifest.json that is not an artifact's
+    refused = run_cli("export", tiny_checkpoint, "--out", user, "--force")
+    assert refused.returncode == 2 and "holds no artifact" in refused.stderr
+    assert (user / "graphs" / "embed.onnx").read_text() == "mine" and (user / MANIFEST_FILE).exists()
+    parent = run_cli("export", tiny_checkpoint, "--out", tiny_checkpoint.parent)
+    assert parent.returncode == 2 and "holds no artifact" in parent.stderr
+    art = tmp_path / "art"
+    assert run_cli("export", tiny_checkpoint, "--out", art).returncode == 0
+    (art / "graphs" / "notes.txt").write_text("kept")
+    again = run_cli("export", tiny_checkpoint, "--out", art, "--force")
+    assert again.returncode == 0, again.stderr
+    assert (art / "graphs" / "notes.txt").read_text() == "kept"
+    load_manifest(art)
