@@ -43,9 +43,11 @@ def ray_address():
 
 
 def _whole_and_placed(artifact, placement, ray_address):
+    """The whole model and its stages, both through the graphs (a cpu artifact's stages would take the native
+    step by default: test_cpu_stages_run_the_native_step... holds those)."""
     manifest = load_manifest(artifact)
     whole = Generator(OrtModel(manifest, threads=1))
-    placed = Generator(load_placed(manifest, placement, ray_address, "cpu", 1, 4096))
+    placed = Generator(load_placed(manifest, placement, ray_address, "cpu", 1, 4096, decode="onnx"))
     return whole, placed
 
 
