@@ -6,7 +6,7 @@ import pytest
 from k2deploy.runtime.text.tool_calls import KIMI_K2_MARKERS, CallDelta, ParsedDelta, ToolCall, ToolCallParser
 from k2deploy.core.tokenizer import KimiTokenizer, write_tokenizer
 
-SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = KIMI_K2_MARKERS.all()
+SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END = KIMI_K2_MARKERS.tokens()
 
 
 def call(call_id: str, arguments: str) -> str:
@@ -88,6 +88,17 @@ def test_three_calls_whitespace_between_them_dropped():
         ("functions.f1:1", "f1", '{"n": 1}', True),
         ("functions.f2:2", "f2", '{"n": 2}', True),
     ]
+
+
+def test_the_singular_section_spelling_is_a_section_too():
+    """K2 now and then writes `<|tool_call_section_begin|>` and `..._end|>` (singular, plain text): taken as the
+    section's markers, never content, whatever the chunking (llama.cpp #17376)."""
+    text = ("I will check.<|tool_call_section_begin|>" + call("functions.get_weather:0", WEATHER)
+            + call("functions.get_time:1", TIME) + "<|tool_call_section_end|> Done.")
+    parser = parse(text)
+    assert parser.content == "I will check. Done."
+    assert [(c.id, c.name, c.arguments, c.complete) for c in parser.calls] == [
+        ("functions.get_weather:0", "get_weather", WEATHER, True), ("functions.get_time:1", "get_time", TIME, True)]
 
 
 def test_calls_after_text():

@@ -110,7 +110,7 @@ class ToolSteering:
     @classmethod
     def plan(cls, tokenizer, tools: list[dict] | None, choice: str | dict, call_index: int = 0) -> ToolSteering:
         """call_index: the index the answer's first call takes (`calls_made` of the chat so far)."""
-        has_markers = all(m in tokenizer.special_ids for m in KIMI_K2_MARKERS.all())
+        has_markers = all(m in tokenizer.special_ids for m in KIMI_K2_MARKERS.tokens())
         if tools and not has_markers:
             raise K2Error("this artifact's tokenizer has no Kimi K2 tool-call tokens (<|tool_calls_section_begin|> "
                           "...); tool calls are supported in Kimi K2's format only")

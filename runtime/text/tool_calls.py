@@ -33,17 +33,27 @@ _TEXT, _SECTION, _HEADER, _ARGUMENTS = "text", "section", "header", "arguments"
 
 @dataclass(frozen=True)
 class ToolCallMarkers:
-    """The five strings that frame a tool-call section and its calls."""
+    """The five strings that frame a tool-call section and its calls, and other spellings a model writes for them
+    (as text: no special token), each taken as the marker it stands for."""
 
     section_begin: str
     section_end: str
     call_begin: str
     argument_begin: str
     call_end: str
+    spellings: tuple[tuple[str, str], ...] = ()  # (another spelling, the marker it stands for)
 
     def all(self) -> tuple[str, ...]:
-        """The five markers."""
+        """The five markers and their other spellings."""
+        return (*self.tokens(), *(spelling for spelling, _ in self.spellings))
+
+    def tokens(self) -> tuple[str, ...]:
+        """The five markers alone (the tokenizer's special tokens)."""
         return (self.section_begin, self.section_end, self.call_begin, self.argument_begin, self.call_end)
+
+    def canonical(self, marker: str) -> str:
+        """The marker a spelling stands for (a marker stands for itself)."""
+        return dict(self.spellings).get(marker, marker)
 
 
 def undecided_tail(text: str, markers: Iterable[str]) -> int:
@@ -54,7 +64,10 @@ def undecided_tail(text: str, markers: Iterable[str]) -> int:
 
 
 KIMI_K2_MARKERS = ToolCallMarkers("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                                  "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+                                  "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+                                  # K2 now and then writes the section markers singular, as plain text
+                                  (("<|tool_call_section_begin|>", "<|tool_calls_section_begin|>"),
+                                   ("<|tool_call_section_end|>", "<|tool_calls_section_end|>")))
 
 
 @dataclass
@@ -149,7 +162,7 @@ class ToolCallParser:
 
     def _marker(self, marker: str) -> None:
         """Act on a whole marker: move to the state it leads to, or drop it where it is out of place."""
-        m, state = self.markers, self._state
+        m, state, marker = self.markers, self._state, self.markers.canonical(marker)
         if marker == m.call_begin:
             self._end_call(complete=False)
             self._state, self._header = _HEADER, ""
