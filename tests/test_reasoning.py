@@ -36,6 +36,10 @@ def _split(pieces: list[str], thinking: bool = False) -> tuple[str, str]:
     ("plan it</think>Seven.", True, ("plan it", "Seven.")),
     ("<think>cut off mid-thou", False, ("cut off mid-thou", "")),
     ("<", False, ("", "<")),
+    ("<think>call it<|tool_calls_section_begin|><|tool_call_begin|>f", False,
+     ("call it", "<|tool_calls_section_begin|><|tool_call_begin|>f")),
+    ("call it<|tool_call_section_begin|>x", True, ("call it", "<|tool_call_section_begin|>x")),
+    ("call it<|tool_call_begin|>x</think>y", True, ("call it", "<|tool_call_begin|>x</think>y")),
 ])
 def test_reasoning_splits_the_same_however_the_text_arrives(text, thinking, expected):
     assert _split([text], thinking) == expected
@@ -50,6 +54,8 @@ def test_reasoning_splits_the_same_however_the_text_arrives(text, thinking, expe
 ANSWER = "<think>Check it</think>At six.<|im_end|>"
 CALL = ("<think>Use it</think><|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0"
         "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
+CALL_IN_REASONING = ("<think>Use it<|tool_calls_section_begin|><|tool_call_begin|>functions.bakery:0"  # not closed
+                     "<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|><|im_end|>")
 TOOLS = [{"type": "function", "function": {"name": "bakery", "parameters": {"type": "object", "properties": {}}}}]
 
 
@@ -70,12 +76,17 @@ def _artifact(root, tokenizer, answer):
 
 
 @pytest.mark.parametrize("special", [True, False], ids=["markers flagged special", "markers not special"])
-@pytest.mark.parametrize("answer, tools", [(ANSWER, None), (CALL, TOOLS)], ids=["answer", "tool call"])
+@pytest.mark.parametrize("answer, tools", [(ANSWER, None), (CALL, TOOLS), (CALL_IN_REASONING, TOOLS)],
+                         ids=["answer", "tool call", "tool call before the reasoning closes"])
 def test_reasoning_content_whole_and_streamed(tmp_path, tokenizer, answer, tools, special):
     """Through the official openai client, whatever the tokenizer config says of the think and tool markers."""
     artifact = with_markers_flagged(_artifact(tmp_path, tokenizer, answer), tmp_path / "flagged",
                                     ("<think>", "</think>", *TOOL_MARKERS), special)
-    shown = json.loads(run_cli("generate", artifact, "--chat", "--prompt", "When?", "--json").stdout)
+    offered = []  # the tools offered to generate too: without them a call's section may not be sampled
+    if tools:
+        (tmp_path / "tools.json").write_text(json.dumps(tools))
+        offered = ["--tools", tmp_path / "tools.json"]
+    shown = json.loads(run_cli("generate", artifact, "--chat", "--prompt", "When?", "--json", *offered).stdout)
     reasoning = "Check it" if tools is None else "Use it"
     assert shown["reasoning"] == reasoning and "<think>" not in shown["text"]
     server = Server(artifact, tmp_path / "serve")

@@ -52,6 +52,10 @@ class GrammarError(K2Error):
 # "may" (an optional <think> ... </think> first) or "open" (the prompt opened it: reasoning, then </think>)
 THINKING = {None: "start: answer", "may": "start: think? answer\nthink: <think> REASONING </think>",
             "open": "start: REASONING </think> answer"}
+# with tools: a section of calls may also end the reasoning before its </think> (Kimi-K2-Thinking calls so)
+THINKING_THEN_CALLS = {None: THINKING[None],
+                       "may": "start: think? answer | <think> REASONING section\nthink: <think> REASONING </think>",
+                       "open": "start: REASONING </think> answer | REASONING section"}
 
 
 def json_grammar(schema: dict | None, thinking: str | None = None) -> str:
@@ -65,8 +69,8 @@ def json_grammar(schema: dict | None, thinking: str | None = None) -> str:
     return LLMatcher.grammar_from_lark(_with_thinking(thinking, [f"answer: %json {json.dumps(schema)}"]))
 
 
-def _with_thinking(thinking: str | None, rules: list[str]) -> str:
-    return "\n".join([THINKING[thinking], r"REASONING: /(.|\n)*/", *rules])
+def _with_thinking(thinking: str | None, rules: list[str], starts: dict = THINKING) -> str:
+    return "\n".join([starts[thinking], r"REASONING: /(.|\n)*/", *rules])
 
 
 def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool, thinking: str | None = None) -> str:
@@ -90,7 +94,7 @@ def tools_grammar(tools: list[dict], choice: str | dict, single_call: bool, thin
         f"call: {m.call_begin} ({' | '.join(f'fn_{i}' for i in range(len(functions)))}) {m.call_end}",
         f"INDEX: /[0-9]{{1,{MAX_CALL_INDEX_DIGITS}}}/",
         *calls,
-    ])
+    ], THINKING_THEN_CALLS)
     return LLMatcher.grammar_from_lark(lark)
 
 

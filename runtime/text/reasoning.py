@@ -3,17 +3,22 @@ writes it before its answer or tool calls) apart from the answer's text.
 
 Text goes in as it becomes final; each feed returns what it adds to the reasoning and to the answer. The answer
 is in reasoning from its start when it opens with `<think>` (or when the chat template opened thinking, so the
-prompt ends with it), until `</think>`; both markers leave the text. A tail that could still grow into a marker
-is held back until it does or cannot. An answer with no `<think>` at its start is all answer.
+prompt ends with it), until `</think>`; both markers leave the text. A tool-call section (or call) that opens
+before `</think>` (Kimi-K2-Thinking does this) ends the reasoning too, and stays in the answer, where its calls are
+parsed. A tail that could still grow into a marker is held back until it does or cannot. An answer with no
+`<think>` at its start is all answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .tool_calls import undecided_tail
+from .tool_calls import KIMI_K2_MARKERS, undecided_tail
 
 THINK_BEGIN, THINK_END = "<think>", "</think>"
+# what opens tool calls, in any spelling: it ends the reasoning where the model calls before closing it
+CALLS_OPEN = tuple(m for m in KIMI_K2_MARKERS.all()
+                   if KIMI_K2_MARKERS.canonical(m) in (KIMI_K2_MARKERS.section_begin, KIMI_K2_MARKERS.call_begin))
 
 _OPENING, _REASONING, _ANSWER = "opening", "reasoning", "answer"
 
@@ -43,12 +48,14 @@ class ReasoningSplitter:
                 else:
                     self._state = _ANSWER
             elif self._state == _REASONING:
-                end = self._held.find(THINK_END)
-                if end >= 0:
+                hits = [(at, m) for m in (THINK_END, *CALLS_OPEN) if (at := self._held.find(m)) >= 0]
+                if hits:
+                    end, marker = min(hits)
                     reasoning.append(self._held[:end])
-                    self._state, self._held = _ANSWER, self._held[end + len(THINK_END):]
+                    self._state = _ANSWER  # </think> leaves the text; calls stay for the answer's parser
+                    self._held = self._held[end + len(THINK_END):] if marker == THINK_END else self._held[end:]
                 else:
-                    keep = undecided_tail(self._held, (THINK_END,))
+                    keep = undecided_tail(self._held, (THINK_END, *CALLS_OPEN))
                     reasoning.append(self._held[:len(self._held) - keep])
                     self._held = self._held[len(self._held) - keep:]
                     break
