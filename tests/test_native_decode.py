@@ -402,6 +402,17 @@ def test_a_compiler_that_writes_nothing_or_garbage_is_named_and_nothing_is_seale
     assert list((tmp_path / "cache").iterdir()) == []
 
 
+def test_a_build_maps_nothing_into_the_process_that_built_it(tmp_path):
+    """The build's check that its library loads runs in a child: a process that built the library and later sees
+    its cached file rewritten in place (a damaged cache, rebuilt) exits cleanly, not with SIGBUS from a mapping."""
+    child = ("import sys; from pathlib import Path; from k2deploy.runtime.backends import native_build as b\n"
+             "try:\n    built = b.build()\nexcept b.NativeUnavailable:\n    sys.exit(0)\n"
+             "built.write_bytes(b'damaged')\n")
+    env = {**child_env(Path(__file__).parent), "K2DEPLOY_NATIVE_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
 def test_generate_takes_decode_and_refuses_native_where_it_cannot_run(tiny_cpu_artifact, tiny_artifacts):
     runs = {(decode, threads): run_cli("generate", tiny_cpu_artifact, "--prompt-ids", "1,2,3", "--max-new-tokens", "8",
                                        "--json", "--decode", decode, "--threads", threads)

@@ -19,6 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -178,12 +179,15 @@ def _check_built(compiler: str, built: Path) -> None:
     if not built.is_file() or built.stat().st_size == 0:
         raise NativeUnavailable(f"{compiler} exited without writing a library for {SOURCE.name}; set CC to a C "
                                 f"compiler (gcc or clang)")
+    # loaded in a child: mapped here, the cached file rewritten in place later would fault this process at exit
+    probe = "import ctypes, sys; ctypes.CDLL(sys.argv[1]).k2_isa"
     try:
-        lib = ctypes.CDLL(str(built))
-        lib.k2_isa  # noqa: B018 (a symbol the step's library holds)
-    except (OSError, AttributeError):
+        loads = subprocess.run([sys.executable, "-c", probe, str(built)], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        loads = False
+    if not loads:
         raise NativeUnavailable(f"{compiler} wrote a file for {SOURCE.name} that is not its library (it does not "
-                                f"load); set CC to a C compiler (gcc or clang)") from None
+                                f"load); set CC to a C compiler (gcc or clang)")
 
 
 def library(isa: str | None = None) -> ctypes.CDLL:
