@@ -58,9 +58,12 @@ def cmd_inspect(args: argparse.Namespace) -> None:
         from ..core.inspect_artifact import describe_artifact, format_artifact
         from ..core.manifest import load_manifest
 
-        info = describe_artifact(load_manifest(args.path, verify_hashes=False))
+        info = describe_artifact(load_manifest(args.path, verify_hashes=args.verify), verified=args.verify)
         text = format_artifact
     else:
+        if args.verify:
+            raise K2Error(f"{args.path}: --verify checks an exported artifact's files against the digests its "
+                          "manifest records; a checkpoint records none (pass an artifact folder)")
         from ..core.checkpoint.reader import Checkpoint
         from ..core.inspect_checkpoint import describe_checkpoint, format_checkpoint
 
@@ -331,8 +334,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="summarise a checkpoint or an exported artifact",
                              description="For a checkpoint: config, parameter counts, bytes per layer and KV-cache "
                                          "bytes per token, from the tensor headers alone. For an artifact: its graphs, "
-                                         "cache format and bytes per token, from its manifest.")
+                                         "cache format and bytes per token, from its manifest; with --verify, "
+                                         "every file hashed and checked against the manifest's digests.")
     inspect.add_argument("path", help="checkpoint or artifact directory")
+    inspect.add_argument("--verify", action="store_true",
+                         help="hash every file of an artifact and check it against the manifest's digests (reads the "
+                              "whole artifact); without it only sizes are checked")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(func=cmd_inspect)
 

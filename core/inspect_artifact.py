@@ -6,7 +6,8 @@ from .manifest import Manifest
 from .targets import artifact_target
 
 
-def describe_artifact(manifest: Manifest) -> dict:
+def describe_artifact(manifest: Manifest, verified: bool = False) -> dict:
+    """verified: every file was hashed and matched the manifest's digests (else only their sizes were checked)."""
     data, config = manifest.data, manifest.config
     graphs = data["graphs"]
     layers = graphs["layers"]
@@ -38,6 +39,7 @@ def describe_artifact(manifest: Manifest) -> dict:
         "opset": data["opset"],
         "versions": data["versions"],
         "manifest_sha256": manifest.digest,
+        "digests_verified": verified,
     }
 
 
@@ -63,6 +65,8 @@ def format_artifact(info: dict) -> str:
         f"custom ops  {info['custom_ops']['domain']} v{info['custom_ops']['version']}: {', '.join(info['custom_ops']['ops'])}",
         f"files       {info['files']}, {info['bytes']:,} bytes; opset {info['opset']}; "
         f"torch {info['versions'].get('torch')}, onnx {info['versions'].get('onnx')}",
+        "checked     every file's size and digest" if info["digests_verified"]
+        else "checked     every file's size; digests not checked (--verify hashes every file)",
     ])
 
 

@@ -112,6 +112,23 @@ CHAT_TEMPLATE = (
     "{%- if thinking is defined and thinking -%}<think>{%- endif -%}{%- endif -%}"
 )
 
+# Kimi-K2-Thinking's chat format: Kimi-K2-Instruct's, where each assistant turn opens with its reasoning. The turns
+# up to and including the last assistant turn that answered without a tool call are history: their reasoning is
+# left out (`<think></think>`); the later ones (the agent's calls since then) keep theirs (`reasoning_content`).
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- for message in messages -%}",
+    "{%- set history = namespace(last=-1) -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' and not message.get('tool_calls') -%}{%- set history.last = loop.index0 -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for message in messages -%}", 1).replace(
+    "{{ message['content'] or '' }}",
+    "{%- if message['role'] == 'assistant' -%}<think>"
+    "{%- if loop.index0 > history.last -%}{{ message.get('reasoning_content') or '' }}{%- endif -%}"
+    "</think>{%- endif -%}"
+    "{{ message['content'] or '' }}", 1)
+
 TRAINING_TEXT = """\
 The harbour town wakes before the sun. Fishing boats leave the quay one after another,
 their engines coughing in the cold air, and the gulls follow them out past the lighthouse.
@@ -143,8 +160,9 @@ Tomorrow the gulls will be waiting again, and the whole story will begin once mo
 _TRAINING_TEXT_SPLIT = re.compile(r"[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s+")
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
-    """Write ``tiktoken.model`` and ``tokenizer_config.json`` for a model with ``vocab_size`` ids."""
+def write_tokenizer(out_dir: str | Path, vocab_size: int, thinking: bool = False) -> None:
+    """Write ``tiktoken.model`` and ``tokenizer_config.json`` for a model with ``vocab_size`` ids; `thinking`:
+    with Kimi-K2-Thinking's chat template (THINKING_CHAT_TEMPLATE), else Kimi-K2-Instruct's."""
     if vocab_size < MIN_VOCAB:
         raise ValueError(
             f"vocab_size {vocab_size} is too small for a Kimi tokenizer: it needs at least "
@@ -156,7 +174,7 @@ def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
     ranks = _build_ranks(first_special)
     lines = (f"{base64.b64encode(token).decode('ascii')} {rank}\n" for rank, token in enumerate(ranks))
     (out / TIKTOKEN_FILE).write_text("".join(lines), encoding="ascii")
-    config = _config(first_special)
+    config = _config(first_special, THINKING_CHAT_TEMPLATE if thinking else CHAT_TEMPLATE)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
@@ -207,7 +225,7 @@ def _fillers(taken: set[bytes], count: int) -> list[bytes]:
     return list(itertools.islice((c for c in candidates if c not in taken), count))
 
 
-def _config(first_special: int) -> dict:
+def _config(first_special: int, template: str) -> dict:
     decoder = {
         str(first_special + offset): {
             "content": name,
@@ -223,7 +241,7 @@ def _config(first_special: int) -> dict:
         "added_tokens_decoder": decoder,
         "additional_special_tokens": _ADDITIONAL_SPECIALS,
         "bos_token": "[BOS]",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template,
         "clean_up_tokenization_spaces": False,
         "eos_token": "[EOS]",
         "pad_token": "[PAD]",

@@ -67,9 +67,9 @@ class Server:
                 self.process.wait(timeout=10)
 
 
-def with_markers_flagged(artifact: Path, copy_to: Path, markers: tuple[str, ...], special: bool) -> Path:
-    """A copy of `artifact` whose tokenizer config flags `markers` special or not (configs differ between releases
-    and re-saved tokenizers), its manifest's record of the file updated."""
+def with_tokenizer_config(artifact: Path, copy_to: Path, change) -> Path:
+    """A copy of `artifact` whose tokenizer config is change(config) (changed in place), its manifest's record of
+    the file updated: a checkpoint whose tokenizer files say something else."""
     import json
     import shutil
 
@@ -78,11 +78,20 @@ def with_markers_flagged(artifact: Path, copy_to: Path, markers: tuple[str, ...]
     copy = shutil.copytree(artifact, copy_to)
     config_path = copy / "tokenizer" / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    for entry in config["added_tokens_decoder"].values():
-        if entry["content"] in markers:
-            entry["special"] = special
+    change(config)
     config_path.write_text(json.dumps(config))
     manifest = json.loads((copy / MANIFEST_FILE).read_text())
     manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(copy, "tokenizer/tokenizer_config.json")
     (copy / MANIFEST_FILE).write_text(json.dumps(manifest))
     return copy
+
+
+def with_markers_flagged(artifact: Path, copy_to: Path, markers: tuple[str, ...], special: bool) -> Path:
+    """A copy of `artifact` whose tokenizer config flags `markers` special or not (configs differ between releases
+    and re-saved tokenizers)."""
+    def flag(config: dict) -> None:
+        for entry in config["added_tokens_decoder"].values():
+            if entry["content"] in markers:
+                entry["special"] = special
+
+    return with_tokenizer_config(artifact, copy_to, flag)

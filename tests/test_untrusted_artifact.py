@@ -132,3 +132,22 @@ def test_a_checkpoint_index_naming_a_shard_elsewhere_is_refused(tiny_copy, shard
     index.write_text(json.dumps(data))
     result = run_cli("inspect", tiny_copy)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_inspect_verify_hashes_every_file_and_says_what_it_checked(tiny_artifacts, tmp_path, tiny_copy):
+    """`inspect` reads the manifest and checks sizes only, and says so; `--verify` hashes every file: a byte
+    changed in place (same size) is found, in one line."""
+    art = shutil.copytree(tiny_artifacts["bf16"], tmp_path / "art")
+    verified = run_cli("inspect", art, "--verify", "--json")
+    assert verified.returncode == 0 and json.loads(verified.stdout)["digests_verified"] is True
+    target = art / json.loads((art / MANIFEST_FILE).read_text())["graphs"]["head"]["data"]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    quick = run_cli("inspect", art)
+    assert quick.returncode == 0 and "digests not checked (--verify" in quick.stdout
+    refused = run_cli("inspect", art, "--verify")
+    assert refused.returncode == 2 and "does not match its digests" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    checkpoint = run_cli("inspect", tiny_copy, "--verify")
+    assert checkpoint.returncode == 2 and "a checkpoint records none" in checkpoint.stderr

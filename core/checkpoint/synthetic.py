@@ -205,7 +205,7 @@ def write_checkpoint(
 
             write_hf_tokenizer(partial, config.vocab_size, TRAINING_TEXT, config.bos_token_id, config.eos_token_id)
         else:
-            write_tokenizer(partial, config.vocab_size)
+            write_tokenizer(partial, config.vocab_size, thinking=config.int4 is not None)  # INT4: K2-Thinking's
         if out.exists():
             shutil.rmtree(out)
         partial.rename(out)
