@@ -314,8 +314,9 @@ def _prepare(out: Path, force: bool) -> None:
         if not force:
             raise K2Error(f"{out} already holds an exported artifact; pass --force to export again")
         (out / MANIFEST_FILE).unlink()  # from here on the old artifact no longer loads
-        for name in listed:
-            (out / name).unlink(missing_ok=True)
+        for name in listed:  # files and links only: a folder the manifest names is not removed
+            if (out / name).is_symlink() or (out / name).is_file():
+                (out / name).unlink()
         (out / JOURNAL_FILE).unlink(missing_ok=True)
     elif out.is_dir() and not (out / JOURNAL_FILE).is_file():
         foreign = next(iter(sorted(out.iterdir())), None)

@@ -219,3 +219,11 @@ def test_out_never_touches_a_file_the_export_did_not_write(tiny_checkpoint, tmp_
     assert again.returncode == 0, again.stderr
     assert (art / "graphs" / "notes.txt").read_text() == "kept"
     load_manifest(art)
+    manifest = json.loads((art / MANIFEST_FILE).read_text())  # a manifest naming folders and paths outside
+    manifest["files"] |= {"graphs": {"bytes": 1}, ".": {"bytes": 1}, "../outside.txt": {"bytes": 1}}
+    (art / MANIFEST_FILE).write_text(json.dumps(manifest))
+    (tmp_path / "outside.txt").write_text("kept")
+    again = run_cli("export", tiny_checkpoint, "--out", art, "--force")
+    assert again.returncode == 0 and "Traceback" not in again.stderr, again.stderr
+    assert (art / "graphs" / "notes.txt").read_text() == "kept" and (tmp_path / "outside.txt").read_text() == "kept"
+    load_manifest(art)
