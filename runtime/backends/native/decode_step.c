@@ -326,17 +326,36 @@ typedef int8_t vq8 __attribute__((vector_size(LANES)));  /* LANES int8 codes: a 
 
 static inline vi32 pick(vi32 mask, vi32 yes, vi32 no) { return (yes & mask) | (no & ~mask); }
 
-/* the largest |x[i]| (for finite x; the order of the comparisons is fixed, so any x gives one answer) */
+/* the largest of each lane's value (non-negative floats as integers: their order is the floats') in every lane, by
+   halving: a maximum in any order is the same */
+static inline vi32 most_lanes(vi32 v) {
+    vi32 turn;
+    for (int i = 0; i < LANES; i++) turn[i] = (i + LANES / 2) % LANES;
+    for (int half = LANES / 2; half >= 1; half /= 2) {
+        v = max_i32(__builtin_shuffle(v, turn), v);
+        for (int i = 0; i < LANES; i++) turn[i] = (i + half / 2) % LANES;
+    }
+    return v;
+}
+
+/* the largest |x[i]| (for finite x: a magnitude's bits order as its value, so the maxima are integer ones, four
+   chains at once; a maximum is the same in any order) */
 static float largest_magnitude(const float *x, int n) {
     float absmax = 0;
     int i = 0;
     if (n >= LANES) {
-        vi32 most = {0};
+        vi32 most[4] = {{0}};
+        for (; i + 4 * LANES <= n; i += 4 * LANES)
+            for (int k = 0; k < 4; k++) {
+                vi32 magnitude = (vi32)load_f32(x + i + k * LANES) & 0x7fffffff;
+                most[k] = max_i32(magnitude, most[k]);
+            }
         for (; i + LANES <= n; i += LANES) {
             vi32 magnitude = (vi32)load_f32(x + i) & 0x7fffffff;
-            most = pick((vf32)magnitude > (vf32)most, magnitude, most);
+            most[0] = max_i32(magnitude, most[0]);
         }
-        for (int j = 0; j < LANES; j++) absmax = MAX(absmax, ((vf32)most)[j]);
+        for (int k = 1; k < 4; k++) most[0] = max_i32(most[k], most[0]);
+        absmax = ((vf32)most_lanes(most[0]))[0];
     }
     for (; i < n; i++) absmax = MAX(absmax, fabsf(x[i]));
     return absmax;
@@ -354,13 +373,12 @@ static int32_t round_codes(const float *x, int n, float inverse, int lowest, int
     vi32 total = {0};
     for (; i + LANES <= n; i += LANES) {
         vi32 q = __builtin_convertvector((load_f32(x + i) * by + rounder) - rounder, vi32);
-        q = pick(q > highest, splat_i32(highest), q);
-        q = pick(q < lowest, splat_i32(lowest), q);
+        q = max_i32(min_i32(q, splat_i32(highest)), splat_i32(lowest));
         total += q;
         vq8 bytes = __builtin_convertvector(q, vq8);  /* each lane's low byte */
         memcpy(codes + i, &bytes, LANES);
     }
-    for (int j = 0; j < LANES; j++) sum += total[j];
+    sum = sum_lanes(total);
     for (; i < n; i++) {
         int q = (int)nearbyintf(x[i] * inverse);
         q = q > highest ? highest : q < lowest ? lowest : q;
@@ -728,11 +746,22 @@ static void each_row(RowWork fn, void *arg, int rows, size_t own_bytes, Bump *b)
 
 /* ---- pieces --------------------------------------------------------------------------------------------- */
 
+/* out [n] = x / sqrt(mean(x^2) + eps) * w: the squares summed in float a vector of lanes at a time (each lane's
+   chain, then the lanes in double, in one order for any input) */
 static void rms_norm(const float *x, const float *w, int n, float eps, float *out) {
+    int i = 0;
+    vf32 lanes = {0};
+    for (; i + LANES <= n; i += LANES) {
+        vf32 v = load_f32(x + i);
+        lanes += v * v;
+    }
     double squares = 0;
-    for (int i = 0; i < n; i++) squares += (double)x[i] * x[i];
+    for (int j = 0; j < LANES; j++) squares += lanes[j];
+    for (; i < n; i++) squares += (double)x[i] * x[i];
     float inverse = 1.0f / sqrtf((float)(squares / n) + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * inverse * w[i];
+    for (i = 0; i + LANES <= n; i += LANES)
+        store_f32(out + i, load_f32(x + i) * inverse * load_f32(w + i));
+    for (; i < n; i++) out[i] = x[i] * inverse * w[i];
 }
 
 /* turns [r]: the cos and sin of pos * frequency i, scaled (export/rope.py), for each pair i: one position's rope */
@@ -757,15 +786,24 @@ static inline vf32 silu_lanes(vf32 x) {
     return (vf32)pick(x < 0, (vi32)(x * e), (vi32)x) / (1.0f + e);
 }
 
-/* a . b over n floats, a vector of lanes at a time (a plain sum would chain every add on the one before) */
-static float dot_f32(const float *a, const float *b, int n) {
+#define DOT_ROWS 4  /* rows dots_f32 takes against one vector at once */
+
+/* out[j] = a[j] . b over n floats for `rows` (1 .. DOT_ROWS) vectors a[j], each a vector of lanes at a time (a plain
+   sum would chain every add on the one before), then its lanes in order: b's loads shared, each dot's own steps */
+static void dots_f32(const float *const *a, int rows, const float *b, int n, float *out) {
     int i = 0;
-    vf32 acc = {0};
-    for (; i + LANES <= n; i += LANES) acc += load_f32(a + i) * load_f32(b + i);
-    float total = 0;
-    for (int j = 0; j < LANES; j++) total += acc[j];
-    for (; i < n; i++) total += a[i] * b[i];
-    return total;
+    vf32 acc[DOT_ROWS] = {{0}};
+    for (; i + LANES <= n; i += LANES) {
+        vf32 w = load_f32(b + i);
+        for (int j = 0; j < DOT_ROWS; j++)
+            if (j < rows) acc[j] += load_f32(a[j] + i) * w;
+    }
+    for (int j = 0; j < rows; j++) {
+        float total = 0;
+        for (int l = 0; l < LANES; l++) total += acc[j][l];
+        for (int t = i; t < n; t++) total += a[j][t] * b[t];
+        out[j] = total;
+    }
 }
 
 static uint16_t to_half(float f) { _Float16 h = (_Float16)f; uint16_t bits; memcpy(&bits, &h, 2); return bits; }
@@ -1436,22 +1474,26 @@ static void router_task(void *arg, int tid, int threads) {  /* scores [batch, e]
     int start, stop;
     share(r->experts, tid, threads, &start, &stop);
     for (int e = start; e < stop; e++)
-        for (int b = 0; b < r->batch; b++) {
-            float s = dot_f32(r->x + (size_t)b * r->hidden, r->router + (size_t)e * r->hidden, r->hidden);
-            r->scores[(size_t)b * r->experts + e] = 1.0f / (1.0f + expf(-s));
+        for (int b = 0; b < r->batch; b += DOT_ROWS) {
+            int rows = MIN(DOT_ROWS, r->batch - b);
+            const float *x[DOT_ROWS];
+            float s[DOT_ROWS];
+            for (int j = 0; j < rows; j++) x[j] = r->x + (size_t)(b + j) * r->hidden;
+            dots_f32(x, rows, r->router + (size_t)e * r->hidden, r->hidden, s);
+            for (int j = 0; j < rows; j++) r->scores[(size_t)(b + j) * r->experts + e] = 1.0f / (1.0f + expf(-s[j]));
         }
 }
 
 /* the k best of values (ties to the lower index) -> ids in order, best first */
 static void top_k(const float *values, int n, int k, int *ids) {
+    unsigned char taken[n];
+    memset(taken, 0, (size_t)n);
     for (int j = 0; j < k; j++) {
         int best = -1;
-        for (int i = 0; i < n; i++) {
-            int taken = 0;
-            for (int m = 0; m < j; m++) taken |= ids[m] == i;
-            if (!taken && (best < 0 || values[i] > values[best])) best = i;
-        }
+        for (int i = 0; i < n; i++)
+            if (!taken[i] && (best < 0 || values[i] > values[best])) best = i;
         ids[j] = best;
+        taken[best] = 1;
     }
 }
 
@@ -1556,7 +1598,17 @@ static void activation_row(void *arg, int row, char *own) {
     const float *g = a->gate + (size_t)j * a->stride, *u = a->up + (size_t)j * a->stride;
     int padded = (a->width + LANES - 1) / LANES * LANES;
     float *act = (float *)own, *gate = act + padded, *up = gate + padded;
-    for (int i = 0; i < padded; i++) {  /* gathered (every step-th value), the last vector padded with zeros */
+    int i = 0;
+    if (a->step == 2 && u == g + 1) {  /* gate and up interleaved: a vector of each from two of pairs */
+        vi32 even, odd;
+        for (int l = 0; l < LANES; l++) { even[l] = 2 * l; odd[l] = 2 * l + 1; }
+        for (; i + LANES <= a->width; i += LANES) {
+            vf32 first = load_f32(g + 2 * (size_t)i), second = load_f32(g + 2 * (size_t)i + LANES);
+            store_f32(gate + i, __builtin_shuffle(first, second, even));
+            store_f32(up + i, __builtin_shuffle(first, second, odd));
+        }
+    }
+    for (; i < padded; i++) {  /* gathered (every step-th value), the last vector padded with zeros */
         gate[i] = i < a->width ? g[(size_t)a->step * i] : 0;
         up[i] = i < a->width ? u[(size_t)a->step * i] : 0;
     }

@@ -90,6 +90,35 @@ static inline void store_f32(void *p, vf32 v) { memcpy(p, &v, VBYTES); }
 static inline vi32 splat_i32(int32_t x) { return (vi32){0} + x; }
 static inline vf32 splat_f32(float x) { vf32 v = {x}; return __builtin_shuffle(v, (vi32){0}); }  /* x itself (not 0 + x) */
 static inline vi8 splat4(const void *four) { int32_t x; memcpy(&x, four, 4); return (vi8)splat_i32(x); }
+/* each lane's smaller and larger of a and b: one instruction where the target has one */
+static inline vi32 min_i32(vi32 a, vi32 b) {
+#if VBYTES == 64
+    return (vi32)_mm512_min_epi32((__m512i)a, (__m512i)b);
+#elif VBYTES == 32 && defined(__AVX2__)
+    return (vi32)_mm256_min_epi32((__m256i)a, (__m256i)b);
+#elif defined(__SSE4_1__)
+    return (vi32)_mm_min_epi32((__m128i)a, (__m128i)b);
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    return (vi32)vminq_s32((int32x4_t)a, (int32x4_t)b);
+#else
+    vi32 less = a < b;
+    return (a & less) | (b & ~less);
+#endif
+}
+static inline vi32 max_i32(vi32 a, vi32 b) {
+#if VBYTES == 64
+    return (vi32)_mm512_max_epi32((__m512i)a, (__m512i)b);
+#elif VBYTES == 32 && defined(__AVX2__)
+    return (vi32)_mm256_max_epi32((__m256i)a, (__m256i)b);
+#elif defined(__SSE4_1__)
+    return (vi32)_mm_max_epi32((__m128i)a, (__m128i)b);
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    return (vi32)vmaxq_s32((int32x4_t)a, (int32x4_t)b);
+#else
+    vi32 more = a > b;
+    return (a & more) | (b & ~more);
+#endif
+}
 static inline int32_t sum_lanes(vi32 v) {  /* integers: any order gives the same sum */
 #if VBYTES == 64
     return _mm512_reduce_add_epi32((__m512i)v);
