@@ -934,6 +934,17 @@ static void latent_dots(const uint8_t *codes, int c, const Quant *lat, int n, in
 }
 
 typedef float v8f __attribute__((vector_size(32)));  /* eight heads' rope scores at once, on every instruction set */
+static inline v8f fma8(v8f a, v8f b, v8f c) {  /* a x b + c, fused as fma_f32 is */
+#if defined(__FMA__) && defined(__AVX__)
+    return (v8f)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif FUSED_MULTIPLY_ADD
+    v8f out;
+    for (int i = 0; i < 8; i++) out[i] = fmaf(a[i], b[i], c[i]);
+    return out;
+#else
+    return a * b + c;
+#endif
+}
 static inline v8f splat8(float x) { return (v8f){x, x, x, x, x, x, x, x}; }  /* (not 0 + x: a sum, where -0 becomes +0
                                                                                  and a product of it changes no run) */
 
@@ -946,13 +957,14 @@ static void rope_scores(const float *q_pe, const float *k, int r, int h, float *
         v8f sum = {0}, q;
         for (int i = 0; i < r; i++) {
             memcpy(&q, q_pe + (size_t)i * h + j, sizeof q);
-            sum += q * splat8(k[i]);
+            sum = fma8(q, splat8(k[i]), sum);
         }
         memcpy(out + j, &sum, sizeof sum);
     }
     for (; j < h; j++) {
         float sum = 0;
-        for (int i = 0; i < r; i++) sum += q_pe[(size_t)i * h + j] * k[i];
+        for (int i = 0; i < r; i++) sum = FUSED_MULTIPLY_ADD ? fmaf(q_pe[(size_t)i * h + j], k[i], sum)
+                                                               : q_pe[(size_t)i * h + j] * k[i] + sum;
         out[j] = sum;
     }
 }
@@ -1241,7 +1253,7 @@ static inline __attribute__((always_inline)) void tile_rope_scores(const float *
         }
         for (int p = 0; p < count; p++) {
             vf32 key = splat_f32(k[(size_t)p * r + i]);
-            for (int v = 0; v < ROW_VECTORS; v++) sum[p][v] += q[v] * key;
+            for (int v = 0; v < ROW_VECTORS; v++) sum[p][v] = fma_f32(q[v], key, sum[p][v]);
         }
     }
     for (int p = 0; p < count; p++)

@@ -90,6 +90,26 @@ static inline void store_f32(void *p, vf32 v) { memcpy(p, &v, VBYTES); }
 static inline vi32 splat_i32(int32_t x) { return (vi32){0} + x; }
 static inline vf32 splat_f32(float x) { vf32 v = {x}; return __builtin_shuffle(v, (vi32){0}); }  /* x itself (not 0 + x) */
 static inline vi8 splat4(const void *four) { int32_t x; memcpy(&x, four, 4); return (vi8)splat_i32(x); }
+/* a x b + c in each lane, in one rounding where the target fuses them (FMA: every x86-64-v3 level and up, and
+   aarch64), else two; a kernel and its batched twin both take it, so they round alike */
+#if defined(__FMA__) || defined(__aarch64__)
+#define FUSED_MULTIPLY_ADD 1
+#else
+#define FUSED_MULTIPLY_ADD 0
+#endif
+static inline vf32 fma_f32(vf32 a, vf32 b, vf32 c) {
+#if VBYTES == 64
+    return (vf32)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif VBYTES == 32 && defined(__FMA__)
+    return (vf32)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__ARM_NEON) && defined(__aarch64__)
+    return (vf32)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#elif defined(__FMA__)
+    return (vf32)_mm_fmadd_ps((__m128)a, (__m128)b, (__m128)c);
+#else
+    return a * b + c;
+#endif
+}
 /* each lane's smaller and larger of a and b: one instruction where the target has one */
 static inline vi32 min_i32(vi32 a, vi32 b) {
 #if VBYTES == 64
