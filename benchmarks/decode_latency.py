@@ -1,6 +1,6 @@
 """Decode and prefill latency of the exported artifact against the eager reference and transformers.
 
-    cd /work/main && . .venv/bin/activate && python benchmarks/decode_latency.py [--json]
+    . .venv/bin/activate && python benchmarks/decode_latency.py [--json]
 
 (from the repository root; the defaults are `--preset small --contexts 128,2048 --threads 1
 --steps 20 --prefill-repeats 3 --prefill-budget 30 --moe-experts 16,384 --moe-steps 60

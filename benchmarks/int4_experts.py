@@ -1,7 +1,7 @@
 """4-bit routed experts on the cpu target against the int8 lowering: artifact size, decode and prefill time, peak
 resident memory, and what re-quantising costs in agreement with the eager reference.
 
-    cd /work/main && . .venv/bin/activate && python benchmarks/int4_experts.py [--preset small] [--json]
+    . .venv/bin/activate && python benchmarks/int4_experts.py [--preset small] [--json]
 
 Three cpu artifacts (written under --work on the first run, reused later):
   int8             the FP8 checkpoint lowered as usual: experts as int8 blocks (1 byte a weight + scales)

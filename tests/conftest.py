@@ -22,6 +22,20 @@ if not _cuda_gpu():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def own_native_cache(tmp_path_factory):
+    """The native step's builds and its `auto` choices (choices.json) in a folder of this test session's, for this
+    process and every command it starts: no run reads what another run (or a user's own use) built or measured."""
+    folder = tmp_path_factory.mktemp("native-cache")
+    saved = os.environ.get("K2DEPLOY_NATIVE_CACHE")
+    os.environ["K2DEPLOY_NATIVE_CACHE"] = str(folder)
+    yield folder
+    if saved is None:
+        os.environ.pop("K2DEPLOY_NATIVE_CACHE", None)
+    else:
+        os.environ["K2DEPLOY_NATIVE_CACHE"] = saved
+
+
+@pytest.fixture(scope="session", autouse=True)
 def one_thread_pool():
     """The test process runs every model on one intra-op pool of one thread (a process has one pool, sized once):
     tests that ask for threads=1 get it whatever ran first, and a loaded CI machine is not oversubscribed."""

@@ -26,3 +26,4 @@ class StepCounters(Protocol):
     finished: Labelled  # generations ended, by reason (stop, length, cancelled, error)
     ttft: Histogram  # seconds from arrival to the first token
     per_token: Histogram  # seconds between a request's tokens
+    decode_batch: Histogram  # sequences each decode step ran

@@ -150,6 +150,8 @@ class StepLoop:
         if not requests:
             return
         tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
+        if self.metrics:
+            self.metrics.decode_batch.observe(len(requests))
         logits = self._forward(requests, lambda slots: self.forwards.decode(slots, tokens))
         if logits is not None:
             self._emit(requests, logits)

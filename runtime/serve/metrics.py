@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
@@ -24,6 +25,8 @@ class ServerMetrics:
                               "first token", buckets=TTFT_BUCKETS, registry=r)
         self.per_token = Histogram("k2deploy_time_per_output_token_seconds", "Between consecutive tokens of a "
                                    "request", buckets=TOKEN_BUCKETS, registry=r)
+        self.decode_batch = Histogram("k2deploy_decode_step_sequences", "Sequences one decode step ran at once",
+                                      buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("k2deploy_queue_depth", "Requests waiting for a cache slot", registry=r)
         self.slots = Gauge("k2deploy_cache_slots", "Cache slots (--max-batch)", registry=r)
         self.slots_used = Gauge("k2deploy_cache_slots_used", "Cache slots held by running requests (one each)",
