@@ -19,7 +19,7 @@ from .plan_command import add_plan_parser
 from .serve_command import add_serve_parser
 from .engines_command import add_build_engines_parser
 from .output_paths import check_output_file, check_output_folder, write_output_file
-from .runtime_options import add_runtime_options
+from .runtime_options import add_runtime_options, add_speculative_option
 
 
 def _print_json(obj: dict) -> None:
@@ -169,7 +169,8 @@ def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
 
     manifest = manifest or load_manifest(args.artifact, hash_graphs=False)  # each graph hashed as it is opened
     return Generator(load_backend(args.backend, manifest, provider=args.provider, threads=args.threads,
-                                  placement=args.placement, ray=args.ray, cache_tokens=positions, decode=args.decode))
+                                  placement=args.placement, ray=args.ray, cache_tokens=positions, decode=args.decode),
+                     getattr(args, "speculative", "off"))
 
 
 def _prompt_ids(text: str) -> list[int]:
@@ -258,15 +259,18 @@ def cmd_generate(args: argparse.Namespace) -> None:
         _print_json({"prompt_ids": prompt, "token_ids": result.token_ids, "reasoning": reasoning or None,
                      "text": text, "tool_calls": calls, "finish_reason": finish_reason,
                      "ttft_ms": round(result.ttft_ms, 3), "tpot_ms": round(result.tpot_ms, 3),
-                     "decode_kernels": kernels})
+                     "decode_kernels": kernels, "speculative": result.speculative})
     else:
         if reasoning:
             print(f"[reasoning] {reasoning}")
         print(text if text is not None else ",".join(map(str, result.token_ids)))
         for call in calls:
             print(f"tool call {call['id']}: {call['function']['name']}({call['function']['arguments']})")
+        spec = result.speculative
+        drafts = (f"; {spec['accepted_tokens']}/{spec['draft_tokens']} drafted tokens accepted, "
+                  f"{spec['forward_steps']} forwards" if spec.get("draft_tokens") else "")
         print(f"[{len(result.token_ids)} tokens, {finish_reason}; ttft {result.ttft_ms:.1f} ms, "
-              f"tpot {result.tpot_ms:.1f} ms]", file=sys.stderr)
+              f"tpot {result.tpot_ms:.1f} ms{drafts}]", file=sys.stderr)
 
 
 def cmd_score(args: argparse.Namespace) -> None:
@@ -374,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = sub.add_parser("generate", help="generate tokens from an artifact (no torch needed)",
                               description="Prefill a prompt and decode with ONNX Runtime over the FP8 latent cache.")
     _add_runtime_arguments(generate)
+    add_speculative_option(generate)
     prompt = generate.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (encoded with the artifact's tokenizer)")
     prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated")

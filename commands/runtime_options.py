@@ -8,6 +8,7 @@ import argparse
 
 from ..core.targets import BACKENDS, PROVIDERS
 from ..runtime.backends.native_decode import DECODE_KERNELS
+from ..runtime.engine.speculation import MODES
 
 
 def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "") -> None:
@@ -30,3 +31,12 @@ def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "")
                         help="how a decode step runs on the cpu provider: native (the C decode step of "
                              "runtime/native, built once with the system's compiler), onnx (the graphs), auto "
                              "(default: native where the artifact and host allow it, else the graphs)")
+
+
+def add_speculative_option(parser: argparse.ArgumentParser) -> None:
+    """Adds --speculative to a command that generates (generate, bench, serve)."""
+    parser.add_argument("--speculative", choices=MODES, default="auto",
+                        help="auto (default): tokens the request's own prompt and output suggest are drafted and "
+                             "checked several a forward where the measured acceptance says it pays, giving exactly "
+                             "the tokens and logprobs of off (only where the backend's forward of several positions "
+                             "is exact: the native step); off: one token a forward")

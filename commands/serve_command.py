@@ -22,7 +22,7 @@ from ..core.host_memory import available_memory
 from ..core.json_files import read_small_text
 from ..runtime.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
-from .runtime_options import add_runtime_options
+from .runtime_options import add_runtime_options, add_speculative_option
 
 MAX_BATCH = 4096  # requests running at once, at most (each is a row of every forward)
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
@@ -77,6 +77,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              f"exits at once (default: {DEFAULT_DRAIN_TIMEOUT_S:g})")
     parser.add_argument("--model-name", help="the model id clients send (default: the artifact folder's name)")
     add_runtime_options(parser)
+    add_speculative_option(parser)
     parser.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                         help="uvicorn's and the engine's log level; info logs every request and every "
                              "failed one (default: info)")
@@ -153,7 +154,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
                       f"this host has {available / 2**30:.1f} GiB available; ask for {available // token_bytes} "
                       f"tokens or fewer")
     metrics = ServerMetrics()
-    engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache)
+    engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache,
+                    args.speculative)
     model_name = args.model_name or artifact.resolve().name
     app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout,

@@ -24,6 +24,8 @@ class Model(Protocol):
     stage_seconds: dict[str, float]  # cumulative seconds per stage (embed, layer_NNN or layers, head), for benchmarks
     threads: int | None  # the size of the host thread pool its graphs run on (None: none, e.g. TensorRT engines)
     num_layers: int  # the decoder layers it runs
+    # (optional) exact_positions: True where a forward of several positions gives each the logits it gets alone, to
+    # the bit (the native step): drafted tokens may then be checked in one forward (runtime/engine/speculation.py)
 
     def new_cache(self, batch: int, max_len: int, pages: int | None = None, prefix_cache: bool = True) -> Cache:
         """A cache of `batch` slots of up to `max_len` positions each over a pool of `pages` pages (default: every

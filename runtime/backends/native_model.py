@@ -30,6 +30,7 @@ class NativeModel(HostCache, InProcess):
     Model), or a stage's range of them."""
 
     prefill_scores_budget = None  # its attention takes a prompt's chunk in row tiles of fixed scratch, however long
+    exact_positions = True  # a forward of several positions gives each the logits it gets alone (drafts are exact)
 
     def __init__(self, manifest: Manifest, native: NativeDecoder, decode_kernels: str):
         """decode_kernels: which kernels run it and why, as `generate`, `bench` and `serve` report it."""

@@ -213,6 +213,15 @@ class Cache:
             for index in range(first, full):
                 self.pool.publish(self.tables[slot][index], hashes[index])
 
+    def keep(self, slot: int, tokens: list[int]) -> None:
+        """After a forward that wrote more entries than the slot keeps (drafted tokens checked): it holds `tokens`
+        past its length; the pages past them go back to the pool (never published: no prefix hash names them)."""
+        self.record(slot, list(tokens))
+        self.lengths[slot] += len(tokens)
+        table, needed = self.tables[slot], pages_for(int(self.lengths[slot]), self.page_size)
+        self.pool.drop(table[needed:][::-1])
+        del table[needed:]
+
     def release(self, slot: int) -> None:
         """Frees a slot for the next sequence: its pages go back to the pool (full ones stay findable), last page
         first, so that a prefix loses its tail to eviction before its head."""

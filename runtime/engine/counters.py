@@ -27,3 +27,5 @@ class StepCounters(Protocol):
     ttft: Histogram  # seconds from arrival to the first token
     per_token: Histogram  # seconds between a request's tokens
     decode_batch: Histogram  # sequences each decode step ran
+    draft_tokens: Counter  # tokens drafted (runtime/engine/speculation.py)
+    accepted_tokens: Counter  # drafted tokens accepted

@@ -31,12 +31,16 @@ class Generation:
     text: str | None = None  # the answer's text, with its answer stream (runtime/text/answer.py); None without one
     reasoning: str = ""  # a thinking model's reasoning, split from the text
     tool_calls: list[dict] = field(default_factory=list)  # the calls the answer made, as the OpenAI API writes them
+    speculative: dict = field(default_factory=dict)  # draft_tokens, accepted_tokens, forward_steps
 
 
 class Generator:
-    def __init__(self, model: Model):
+    def __init__(self, model: Model, speculative: str = "auto"):
+        """speculative: auto (drafted tokens checked where they pay, the same tokens) or off
+        (runtime/engine/speculation.py)."""
         self.model = model
         self.config = model.config
+        self.speculative = speculative
 
     def check_prompt(self, prompt: list[int], max_new_tokens: int = 0) -> None:
         if not prompt:
@@ -65,7 +69,8 @@ class Generator:
         None for token ids alone."""
         for prompt in prompts:
             self.check_prompt(prompt, params.max_new_tokens)
-        loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0)
+        loop = StepLoop(self.model, len(prompts), max(len(p) for p in prompts) + params.max_new_tokens, max_queue=0,
+                        speculative=self.speculative)
         streams = [answers(p) for p in prompts]
         updates: list[list[Update]] = [[] for _ in prompts]
         requests = [GenerationRequest(list(p), params, updates[row].append, row=row, constraint=constraints(p),
@@ -83,7 +88,8 @@ class Generator:
                                       (request.last_token_at - request.first_token_at) * 1e3 / later if later > 0 else 0.0,
                                       request.cached_prompt_tokens or 0,
                                       None if stream is None else "".join(u.text for u in got),
-                                      "".join(u.reasoning for u in got), [] if stream is None else stream.calls()))
+                                      "".join(u.reasoning for u in got), [] if stream is None else stream.calls(),
+                                      request.speculation.as_dict()))
         return results
 
     def score(self, prompt: list[int]) -> np.ndarray:

@@ -12,6 +12,7 @@ from ..text.answer import AnswerDelta, AnswerStream
 from ..text.constrained import Constraint
 from ..text.tool_calls import CallDelta
 from .sampling import SamplingParams
+from .speculation import PromptLookup, SpeculationStats
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class GenerationRequest:
         self.finish_reason: str | None = None
         self.error: str | None = None  # why it failed, when a forward it was in failed
         self.cancelled = False
+        self.speculation = SpeculationStats()  # drafts, accepted drafts and the forwards that gave it tokens
+        self.lookup: PromptLookup | None = None  # its tokens' n-gram index, made at its first draft
         self.arrived_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -110,6 +113,8 @@ class GenerationRequest:
         if token in self.params.stop_ids:
             return self.end("stop")
         self.generated.append(token)
+        if self.lookup is not None:
+            self.lookup.extend([token])
         last = "length" if len(self.generated) >= self.params.max_new_tokens else None
         delta = self.answer.push(token, last) if self.answer is not None else AnswerDelta(finish_reason=last)
         return self._update(delta, (token,), () if logprob is None else (logprob,))

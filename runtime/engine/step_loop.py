@@ -32,6 +32,7 @@ from .counters import StepCounters
 from .requests import GenerationRequest, TokenLogprob, Update
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler
+from .speculation import PromptLookup, Speculation
 
 
 log = logging.getLogger("k2deploy.runtime")
@@ -42,9 +43,10 @@ class StepLoop:
     them; `metrics` (the server's) counts what happens."""
 
     def __init__(self, model: Model, slots: int, context: int, max_queue: int, metrics: StepCounters | None = None,
-                 pages: int | None = None, prefix_cache: bool = True):
+                 pages: int | None = None, prefix_cache: bool = True, speculative: str = "auto"):
         """slots: requests running at once; context: positions one may reach; pages: the cache's pool (default:
-        every slot at full context)."""
+        every slot at full context); speculative: auto (drafted tokens checked where they pay and the backend's
+        forward of several positions is exact, runtime/engine/speculation.py) or off."""
         self.model = model
         self.context = context
         self.cache = model.new_cache(slots, context, pages, prefix_cache)
@@ -52,6 +54,7 @@ class StepLoop:
         self.scheduler = Scheduler(slots, max_queue, self.cache, model.config.num_attention_heads,
                                    getattr(model, "prefill_scores_budget", ATTENTION_SCORES_BYTES))
         self.metrics = metrics
+        self.speculation = Speculation(speculative, getattr(model, "exact_positions", False))
         self.admissions = 0  # requests admitted so far: the newest running one is preempted first
         self.fault: str | None = None  # a pipeline stage is down: why (a server answers 503 until it is back)
         self.sampling_seconds = 0.0  # cumulative time spent choosing tokens, for benchmarks
@@ -143,18 +146,75 @@ class StepLoop:
         if self.metrics:
             self.metrics.prompt_tokens.inc(sum(map(len, chunks)))
         complete = [row for row, r in enumerate(requests) if not r.prefilling]
+        for row in complete:
+            requests[row].speculation.forward_steps += 1
         self._emit([requests[row] for row in complete], logits[complete])
 
     def _decode(self, requests: list[GenerationRequest]) -> None:
         requests = self._make_room(requests, [int(self.cache.lengths[r.slot]) + 1 for r in requests])
         if not requests:
             return
-        tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
         if self.metrics:
             self.metrics.decode_batch.observe(len(requests))
+        drafts = self._drafts(requests)
+        if any(drafts):
+            self._verify(requests, drafts)
+            return
+        tokens = np.array([r.generated[-1] for r in requests], dtype=np.int64)
+        started = time.perf_counter()
         logits = self._forward(requests, lambda slots: self.forwards.decode(slots, tokens))
         if logits is not None:
+            self.speculation.timed(1, time.perf_counter() - started)
+            for request in requests:
+                request.speculation.forward_steps += 1
             self._emit(requests, logits)
+
+    def _drafts(self, requests: list[GenerationRequest]) -> list[list[int]]:
+        """Each request's drafted tokens this step (none where speculation is off or does not pay, or where the
+        pool has no pages for them without preempting anyone)."""
+        if not self.speculation.on:
+            return [[] for _ in requests]
+        drafts = []
+        for request in requests:
+            if request.lookup is None:
+                request.lookup = PromptLookup(request.prompt_ids + request.generated)
+            room = min(request.params.max_new_tokens - len(request.generated) - 1,
+                       self.context - int(self.cache.lengths[request.slot]) - 1)
+            drafts.append(self.speculation.draft(request.lookup, request.speculation, room))
+        lengths = [int(self.cache.lengths[r.slot]) + 1 + len(d) for r, d in zip(requests, drafts)]
+        if self.cache.pages_short([r.slot for r in requests], lengths) > 0:
+            return [[] for _ in requests]
+        return drafts
+
+    def _verify(self, requests: list[GenerationRequest], drafts: list[list[int]]) -> None:
+        """One forward of each request's last token and its drafts; each samples position by position as decoding
+        would, and keeps the drafts up to the first one its own choice differs from (runtime/engine/speculation.py)."""
+        chunks = [[r.generated[-1]] + d for r, d in zip(requests, drafts)]
+        started = time.perf_counter()
+        got = self._forward(requests, lambda slots: self.forwards.verify(slots, chunks))
+        if got is None:
+            return
+        self.speculation.timed(max(map(len, chunks)), time.perf_counter() - started)
+        logits = got[0]
+        for row, (request, draft) in enumerate(zip(requests, drafts)):
+            request.speculation.forward_steps += 1
+            request.speculation.draft_tokens += len(draft)
+            accepted = 0
+            try:
+                for i in range(len(draft) + 1):
+                    token = self._next_token(request, logits[row, i])
+                    if request.done or i == len(draft) or token != draft[i]:
+                        break
+                    accepted += 1
+            except Exception as exc:
+                log.exception("a request's token failed; the step goes on for the others")
+                self._fail(request, exc)
+            request.speculation.accepted_tokens += accepted
+            if self.metrics:
+                self.metrics.draft_tokens.inc(len(draft))
+                self.metrics.accepted_tokens.inc(accepted)
+            if request.slot is not None:  # still running: it keeps its last token and the accepted drafts
+                self.forwards.keep(request.slot, chunks[row][:accepted + 1])
 
     def _make_room(self, requests: list[GenerationRequest], lengths: list[int]) -> list[GenerationRequest]:
         """The pool's pages for each request's first `lengths` positions, made free by the scheduler (preempting the
@@ -199,7 +259,7 @@ class StepLoop:
                 log.exception("a request's token failed; the step goes on for the others")
                 self._fail(request, exc)
 
-    def _next_token(self, request: GenerationRequest, row: np.ndarray) -> None:
+    def _next_token(self, request: GenerationRequest, row: np.ndarray) -> int:
         previous_at, generated = request.last_token_at, len(request.generated)
         started = time.perf_counter()
         params, constraint = request.params, request.constraint
@@ -219,6 +279,7 @@ class StepLoop:
         self.send(request, update)
         if request.done:
             self._leave(request, request.finish_reason)
+        return token
 
     def _fail(self, request: GenerationRequest, exc: Exception) -> None:
         log.info("request failed: %s", exc)  # the server logs it; `generate` raises it as its one-line error

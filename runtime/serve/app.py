@@ -304,8 +304,10 @@ class Answer:
     def usage(self) -> dict:
         """OpenAI's usage: each prompt counted once, every choice's tokens."""
         firsts = self.jobs[::len(self.jobs) // self.prompts]
+        speculative = {key: sum(getattr(j.speculation, key) for j in self.jobs)
+                       for key in ("draft_tokens", "accepted_tokens", "forward_steps")}
         return usage(sum(len(j.prompt_ids) for j in firsts), sum(len(j.generated) for j in self.jobs),
-                     sum(j.cached_prompt_tokens or 0 for j in firsts))
+                     sum(j.cached_prompt_tokens or 0 for j in firsts), speculative)
 
 
 def _deliver(loop: asyncio.AbstractEventLoop, updates: asyncio.Queue, index: int, update: Update) -> None:

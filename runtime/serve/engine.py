@@ -30,13 +30,13 @@ class Engine:
     """model: any backend of the runtime interface; its cache holds max_batch slots of max_context positions."""
 
     def __init__(self, model: Model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics,
-                 max_total_tokens: int | None = None, prefix_cache: bool = True):
+                 max_total_tokens: int | None = None, prefix_cache: bool = True, speculative: str = "auto"):
         """max_context: positions one request may reach; max_total_tokens: the cache's page pool (default: every
-        slot at max_context)."""
+        slot at max_context); speculative: auto or off (runtime/engine/speculation.py)."""
         self.model = model
         self.context = min(model.config.max_position_embeddings, max_context)  # positions one request may reach
         pages = pages_for(max_total_tokens) if max_total_tokens else None
-        self.loop = StepLoop(model, max_batch, self.context, max_queue, metrics, pages, prefix_cache)
+        self.loop = StepLoop(model, max_batch, self.context, max_queue, metrics, pages, prefix_cache, speculative)
         self.cache = self.loop.cache
         self.metrics = metrics
         self.stopping = threading.Event()

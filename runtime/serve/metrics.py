@@ -25,6 +25,9 @@ class ServerMetrics:
                               "first token", buckets=TTFT_BUCKETS, registry=r)
         self.per_token = Histogram("k2deploy_time_per_output_token_seconds", "Between consecutive tokens of a "
                                    "request", buckets=TOKEN_BUCKETS, registry=r)
+        self.draft_tokens = Counter("k2deploy_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.accepted_tokens = Counter("k2deploy_draft_tokens_accepted", "Drafted tokens the model's own choice "
+                                       "confirmed", registry=r)
         self.decode_batch = Histogram("k2deploy_decode_step_sequences", "Sequences one decode step ran at once",
                                       buckets=BATCH_BUCKETS, registry=r)
         self.queue_depth = Gauge("k2deploy_queue_depth", "Requests waiting for a cache slot", registry=r)

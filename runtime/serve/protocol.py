@@ -503,11 +503,14 @@ def _first_of(pairs) -> dict:
     return out
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache, not prefilled."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          speculative: dict | None = None) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache, not prefilled; speculative:
+    the drafted tokens, the accepted ones and the forwards that gave the tokens (runtime/engine/speculation.py)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}} | ({"speculative": speculative} if speculative
+                                                                        else {})
 
 
 def models_list(model: str, created: int, context: int) -> dict:
