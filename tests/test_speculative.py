@@ -144,7 +144,7 @@ def test_checked_drafts_give_the_tokens_and_logprobs_of_one_token_a_forward(tiny
 def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch):
     """A tools grammar (a call's markers and JSON arguments) with drafts checked: the same tokens as off."""
     from k2deploy.core.tokenizer_files import load_tokenizer
-    from k2deploy.runtime.text.constrained import Grammars, thinking_mode, tools_grammar
+    from k2deploy.runtime.text.constrained import Grammars, tools_grammar
 
     model = _native(tiny_cpu_artifact)
     tokenizer = load_tokenizer(tiny_cpu_artifact / "tokenizer", model.config.vocab_size)
@@ -158,13 +158,14 @@ def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch):
         loop = StepLoop(model, 1, len(prompt) + 24, max_queue=0, speculative=speculative)
         got = []
         request = GenerationRequest(list(prompt), params, lambda u: got.extend(u.token_ids),
-                                    constraint=grammars.constraint(tools_grammar(tools, "required", False,
-                                                                                 thinking_mode(tokenizer, prompt))))
+                                    constraint=grammars.constraint(tools_grammar(tools, "required", False)))
         loop.submit(request)
         loop.run_until_done()
         return got, request.speculation
 
     off, _ = run("off")
+    forced, stats = run("auto")  # the grammar's forced tokens drafted (the call's markers, the key "day")
+    assert forced == off and stats.accepted_tokens > 0 and stats.forward_steps < len(off), stats
     oracle = _Oracle([prompt], [off])
     monkeypatch.setattr(Speculation, "draft", lambda self, lookup, stats, room: oracle.draft(lookup, stats, room))
     on, stats = run("auto")
@@ -186,3 +187,33 @@ def test_the_graphs_never_draft(tiny_artifacts):
     model = load_model(load_manifest(tiny_artifacts["bf16"]), decode="onnx")
     _, stats = _run(model, [COPY_PROMPT[:20] * 3], SamplingParams(max_new_tokens=8), "auto")
     assert stats[0].draft_tokens == 0 and stats[0].forward_steps == 8
+
+
+def test_serve_reports_drafts_in_usage_and_metrics(scripted_cpu_artifact, tmp_path):
+    """Through the official openai client, whole and streamed: the copied answer's tokens, its drafts in `usage`,
+    the server's counts on /metrics; with --speculative off nothing is drafted."""
+    pytest.importorskip("openai")
+    pytest.importorskip("starlette")
+    from serving import MODEL, Server
+
+    texts = {}
+    for mode in ("auto", "off"):
+        server = Server(scripted_cpu_artifact, tmp_path / mode, "--decode", "native", "--speculative", mode)
+        try:
+            asked = {"model": MODEL, "prompt": COPY_PROMPT, "max_tokens": 30, "temperature": 0}
+            whole = server.client().completions.create(**asked)
+            chunks = list(server.client().completions.create(**asked, stream=True,
+                                                             stream_options={"include_usage": True}))
+            for usage in (whole.usage, chunks[-1].usage):
+                drafts = usage.model_extra["speculative"]
+                if mode == "auto":
+                    assert drafts["accepted_tokens"] > 20 and drafts["forward_steps"] < 15, drafts
+                else:
+                    assert drafts == {"draft_tokens": 0, "accepted_tokens": 0, "forward_steps": 30}
+            texts[mode] = whole.choices[0].text
+            assert texts[mode] and texts[mode] == "".join(c.choices[0].text for c in chunks if c.choices)
+            accepted = server.metric("k2deploy_draft_tokens_accepted_total")
+            assert (accepted > 40) if mode == "auto" else accepted == 0
+        finally:
+            server.stop()
+    assert texts["auto"] == texts["off"]

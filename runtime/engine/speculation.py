@@ -16,6 +16,11 @@ their cache entries are never committed (the slot's length is the accepted one, 
 pages filled by accepted tokens get a prefix hash). Greedy or seeded, the tokens and log-probabilities are the ones
 `--speculative off` gives, alone or in a batch.
 
+Where a grammar constrains the answer (a json_schema, tools), the tokens it forces next (JSON keys and punctuation,
+Kimi's tool-call markers, a call id's fixed parts: llguidance's fast-forward tokens) are the draft instead, whatever
+the measured acceptance: each is the only token its mask will allow, so it is accepted unless the model writes the
+same text in other tokens.
+
 `auto` drafts only where it pays: each request keeps its measured acceptance (accepted over drafted, with one prior
 success in two), the loop keeps the measured time of a step by the positions its longest row ran, and a request
 drafts the k (0 .. MAX_DRAFTS) whose expected tokens a step, 1 + a + ... + a^k, over the step's time relative to a

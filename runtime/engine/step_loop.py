@@ -32,7 +32,7 @@ from .counters import StepCounters
 from .requests import GenerationRequest, TokenLogprob, Update
 from .sampling import sample, token_logprobs
 from .scheduler import Scheduler
-from .speculation import PromptLookup, Speculation
+from .speculation import MAX_DRAFTS, PromptLookup, Speculation
 
 
 log = logging.getLogger("k2deploy.runtime")
@@ -180,7 +180,8 @@ class StepLoop:
                 request.lookup = PromptLookup(request.prompt_ids + request.generated)
             room = min(request.params.max_new_tokens - len(request.generated) - 1,
                        self.context - int(self.cache.lengths[request.slot]) - 1)
-            drafts.append(self.speculation.draft(request.lookup, request.speculation, room))
+            forced = request.constraint.forced(min(MAX_DRAFTS, room)) if request.constraint is not None else []
+            drafts.append(forced or self.speculation.draft(request.lookup, request.speculation, room))
         lengths = [int(self.cache.lengths[r.slot]) + 1 + len(d) for r, d in zip(requests, drafts)]
         if self.cache.pages_short([r.slot for r in requests], lengths) > 0:
             return [[] for _ in requests]

@@ -172,6 +172,11 @@ class Constraint:
         bits = np.unpackbits(self._mask.view(np.uint8), bitorder="little")[:logits.shape[0]].astype(bool)
         return np.where(bits, logits, -np.inf).astype(logits.dtype)
 
+    def forced(self, limit: int) -> list[int]:
+        """The next tokens the grammar forces (at most `limit`): each the only one its mask will allow, as the
+        grammar's own tokenization writes the forced text."""
+        return list(self.matcher.compute_ff_tokens())[:limit] if limit > 0 else []
+
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise K2Error(f"token {token} broke the answer's grammar: {self.matcher.get_error()}")
