@@ -56,6 +56,7 @@ class BenchOptions:
     ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
     threads: int | None = None  # the intra-op thread pool (and torch's); None: this host's physical cores
     decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/backends/ort_backend.py)
+    speculative: str = "auto"  # drafted tokens checked where they pay, or off (runtime/engine/speculation.py)
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3
     warmup: int = 1
@@ -126,9 +127,10 @@ class _Ours:
 
     def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
                  placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None,
-                 decode: str = "auto"):
+                 decode: str = "auto", speculative: str = "auto"):
         from ..runtime.loading import load_backend
 
+        self.speculative = speculative
         rss = current_rss_bytes()
         started = time.perf_counter()
         self.model = load_backend(backend, manifest, provider=provider, threads=threads, placement=placement, ray=ray,
@@ -139,16 +141,19 @@ class _Ours:
 
     def run(self, batch: int, prompt_len: int, gen_len: int, seed: int) -> dict:
         """One batch of greedy requests through the step loop, as `generate` and the server run them: its prefill
-        forwards until every request has its first token, then gen_len - 1 decode forwards, each timed."""
+        forwards until every request has its first token, then decode forwards until each has gen_len tokens, each
+        timed (gen_len - 1 of them, fewer where drafted tokens were accepted)."""
         from ..runtime.engine.requests import GenerationRequest
         from ..runtime.engine.sampling import SamplingParams
         from ..runtime.engine.step_loop import StepLoop
 
         model = self.model
-        loop = StepLoop(model, batch, prompt_len + gen_len, max_queue=0)
+        loop = StepLoop(model, batch, prompt_len + gen_len, max_queue=0, speculative=self.speculative)
         params = SamplingParams(temperature=0.0, max_new_tokens=gen_len)  # no stop ids: gen_len tokens each
-        for row, prompt in enumerate(prompts(seed, batch, prompt_len, self.vocab).tolist()):
-            loop.submit(GenerationRequest(prompt, params, lambda update: None, row=row))
+        requests = [GenerationRequest(prompt, params, lambda update: None, row=row)
+                    for row, prompt in enumerate(prompts(seed, batch, prompt_len, self.vocab).tolist())]
+        for request in requests:
+            loop.submit(request)
         reset_peak_rss()
         started = time.perf_counter()
         running = loop.admit()
@@ -158,6 +163,8 @@ class _Ours:
         prefill = ttft - loop.sampling_seconds
         steps, sampling, stages = [], [], []
         for _ in range(gen_len - 1):
+            if all(r.done for r in running):  # drafts accepted: fewer forwards than tokens
+                break
             model.stage_seconds.clear()
             sampled_before = loop.sampling_seconds
             started = time.perf_counter()
@@ -168,7 +175,9 @@ class _Ours:
         if any(r.error for r in running):
             raise K2Error(f"the benchmark's generation failed: {next(r.error for r in running if r.error)}")
         return {"ttft_s": ttft, "prefill_s": prefill, "step_s": steps, "sampling_s": sampling,
-                "stages_s": stages, "kv_cache_bytes": loop.cache.nbytes, "peak_rss_bytes": peak_rss_bytes()}
+                "stages_s": stages, "kv_cache_bytes": loop.cache.nbytes, "peak_rss_bytes": peak_rss_bytes(),
+                "speculative": {key: sum(getattr(r.speculation, key) for r in requests)
+                                for key in ("draft_tokens", "accepted_tokens", "forward_steps")}}
 
 
 def _ms(seconds) -> list[float]:
@@ -177,7 +186,7 @@ def _ms(seconds) -> list[float]:
 
 def _cell_result(batch: int, prompt_len: int, gen_len: int, ours: list[dict], base: list[dict] | None,
                  layers: int, bound_bytes: dict, bandwidth_gbps: float | None) -> dict:
-    steps_per_run = gen_len - 1
+    steps_per_run = gen_len - 1  # tokens a row after its first: one a decode step, or more with accepted drafts
     # per run, the mean per decode step of each stage; the medians and p90s are over the runs
     # the native step runs the embedding and every layer in one call: one stage of its own (native_step)
     stage_names = ["embed", *[f"layer_{i:03d}" for i in range(layers)], "native_step", "head"]
@@ -215,6 +224,8 @@ def _cell_result(batch: int, prompt_len: int, gen_len: int, ours: list[dict], ba
         "stream_tokens_per_s": summarize(steps_per_run / sum(run["step_s"]) for run in ours),
         "batch_tokens_per_s": summarize(batch * steps_per_run / sum(run["step_s"]) for run in ours),
         "decode_step_ms": breakdown,
+        "speculative": {key: sum(run["speculative"][key] for run in ours)
+                        for key in ("draft_tokens", "accepted_tokens", "forward_steps")},
         "breakdown_sum_ratio": parts / breakdown["step"]["median"],
         "kv_cache_bytes_allocated": ours[0]["kv_cache_bytes"],
         "peak_rss_bytes": max((run["peak_rss_bytes"] or 0) for run in ours) or None,
@@ -266,7 +277,8 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
         ours = _Ours(manifest, options.provider, options.threads, options.backend, options.placement, options.ray,
-                     max(options.batches) * (max(options.prompt_lens) + options.gen_len), options.decode)
+                     max(options.batches) * (max(options.prompt_lens) + options.gen_len), options.decode,
+                     options.speculative)
         record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
         device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
                                  gpu_name=record["gpu"]["name"] if record else None)
@@ -336,6 +348,7 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         "backend": options.backend,
         "threads": ours.model.threads,
         "decode_kernels": getattr(ours.model, "decode_kernels", None),
+        "speculative": options.speculative,
         "versions": {"k2deploy": _version("k2deploy"), "onnxruntime": _version("onnxruntime"),
                      "numpy": np.__version__, "python": platform.python_version(),
                      **((baseline_info or {}).get("versions") or {})},

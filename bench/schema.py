@@ -94,6 +94,16 @@ SCHEMA = {
                                                             "gen_len) positions, every layer"},
                 "peak_rss_bytes": {"type": ["integer", "null"], "description": "the process's peak RSS during "
                                    "this cell's runs (arenas ONNX Runtime kept from earlier cells included)"},
+                "speculative": {
+                    "type": "object",
+                    "description": "speculative decoding in this cell's timed runs, summed over their requests "
+                                   "(runtime/engine/speculation.py): tokens drafted, drafts accepted, forwards that "
+                                   "gave tokens; absent in results that predate it",
+                    "required": ["draft_tokens", "accepted_tokens", "forward_steps"],
+                    "additionalProperties": False,
+                    "properties": {"draft_tokens": {"type": "integer"}, "accepted_tokens": {"type": "integer"},
+                                   "forward_steps": {"type": "integer"}},
+                },
                 "bound": {
                     "type": "object",
                     "description": "the memory-bandwidth bound of one decode step at the mean decode context",
@@ -177,6 +187,9 @@ SCHEMA = {
                     "description": "what ran the artifact: ONNX Runtime (with `provider`) or the TensorRT engines of "
                                    "`k2deploy build-engines`; absent in results that predate it: onnxruntime"},
         "threads": {"type": ["integer", "null"], "description": "the size of the process's one intra-op thread pool; null: no host pool (TensorRT)"},
+        "speculative": {"enum": ["auto", "off"], "description": "--speculative: drafted tokens checked where they "
+                                                              "pay (auto) or one token a forward (off); absent in "
+                                                              "results that predate it"},
         "decode_kernels": {"type": ["string", "null"],
                            "description": "what ran one sequence's decode step: native (runtime/backends/native_decode.py) or "
                                           "onnx (the graphs; with the reason where native was asked for by auto and "

@@ -11,7 +11,7 @@ import sys
 
 from ..core.errors import K2Error
 from .output_paths import check_output_folder, output_errors
-from .runtime_options import add_runtime_options
+from .runtime_options import add_runtime_options, add_speculative_option
 
 USAGE = """k2deploy bench ART [--batch 1,4] [--prompt-len 128,512] [--gen-len 8] [--backend onnxruntime|tensorrt]
                       [--provider cpu|cuda|tensorrt] [--threads N] [--baseline eager|hf|none] [--repeats 3]
@@ -67,7 +67,7 @@ def _run(args: argparse.Namespace, artifact: str) -> None:
     options = BenchOptions(
         artifact=artifact, batches=_int_list(args.batch, "--batch"), prompt_lens=_int_list(args.prompt_len, "--prompt-len"),
         gen_len=args.gen_len, provider=args.provider, backend=args.backend, placement=args.placement, ray=args.ray,
-        threads=args.threads, decode=args.decode, baseline=args.baseline,
+        threads=args.threads, decode=args.decode, speculative=args.speculative, baseline=args.baseline,
         repeats=args.repeats, warmup=args.warmup, seed=args.seed,
         bandwidth_bytes=args.bandwidth_mib << 20 if args.bandwidth_mib else DEFAULT_BYTES,
         verify_hashes=not args.no_verify, command=" ".join(["k2deploy", "bench", *sys.argv[2:]]))
@@ -113,6 +113,7 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     run.add_argument("--gen-len", type=int, default=8,
                      help="tokens generated per row and run: the first, then gen-len - 1 timed decode steps (default: 8)")
     add_runtime_options(run, threads_help="; the baseline's torch threads alike")
+    add_speculative_option(run)
     run.add_argument("--baseline", choices=["eager", "hf", "none"],
                      help="eager: the PyTorch reference on the artifact's checkpoint; hf: transformers' DeepseekV3 "
                           "(needs transformers); none (default: eager where torch and the checkpoint are present)")
