@@ -217,3 +217,34 @@ def test_serve_reports_drafts_in_usage_and_metrics(scripted_cpu_artifact, tmp_pa
         finally:
             server.stop()
     assert texts["auto"] == texts["off"]
+
+
+def test_recent_answers_are_drafted_from_and_stay_bounded():
+    from k2deploy.runtime.engine.speculation import RecentOutputs
+
+    recent = RecentOutputs(capacity=64)
+    recent.add([1, 2, 3, 4, 5, 6])
+    assert recent.propose([9, 9, 2, 3], 3) == [4, 5, 6]  # (2, 3) from the earlier answer
+    assert recent.propose([6, 7], 3) == []  # an n-gram never spans two answers
+    recent.add([7, 8, 9])
+    assert recent.propose([5, 6, 7], 2) == []
+    for start in range(0, 1000, 10):  # far more than the ring holds: old n-grams go, the index stays bounded
+        recent.add(list(range(100 + start, 110 + start)))
+    assert recent.propose([1, 2, 3], 3) == [] and len(recent.latest) <= 4 * 64
+    assert recent.propose([1095, 1096], 2) == [1097, 1098]
+
+
+def test_a_later_request_drafts_from_an_earlier_answer(scripted_cpu_artifact):
+    """An agent's second request whose prompt does not hold the text: the first answer's tokens are the drafts."""
+    model = _native(scripted_cpu_artifact)
+    loop = StepLoop(model, 1, 128, max_queue=0, speculative="auto")
+    firsts = []
+    for prompt, tokens in (([TEXT[0]], 40), ([950, 951, TEXT[0]], 40)):
+        got = []
+        request = GenerationRequest(prompt, SamplingParams(max_new_tokens=tokens), lambda u: got.extend(u.token_ids))
+        loop.submit(request)
+        loop.run_until_done()
+        firsts.append((got, request.speculation))
+    (first, first_stats), (second, second_stats) = firsts
+    assert first == second == TEXT[1:41]
+    assert second_stats.accepted_tokens > 30 and second_stats.forward_steps < first_stats.forward_steps

@@ -3,7 +3,8 @@ by one forward of several positions, kept where the model's own choice is the sa
 
 The draft: the longest earlier match (NGRAM_SIZES, longest first) of the request's last tokens in its prompt and what
 it generated, and the up to MAX_DRAFTS tokens that followed that match (`PromptLookup`, an index of every n-gram's
-latest end, kept as tokens come).
+latest end, kept as tokens come); where its own tokens hold none, the same in the loop's recent answers
+(`RecentOutputs`: the last 65,536 tokens other requests generated, bounded, for the artifact the loop runs).
 
 The check is the non-speculative process itself. A decode step of a request with k drafted tokens runs its last token
 and the k drafts at their positions in one forward, which gives each position the logits it would get alone (a
@@ -67,6 +68,48 @@ class PromptLookup:
         return []
 
 
+class RecentOutputs:
+    """The latest `capacity` tokens that requests generated (on a server: across its requests, for one artifact), in
+    a ring, and each n-gram's latest place in it: a request whose own tokens hold no match may draft what followed
+    its last tokens in an earlier answer (agents repeat text across turns and requests). Bounded: the ring's tokens
+    and at most 4 x capacity n-grams (the index is rebuilt from the ring when it grows past that)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self.ring = [0] * capacity
+        self.written = 0  # tokens written over the ring's life; position p sits at ring[p % capacity]
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+
+    def add(self, tokens: list[int]) -> None:
+        """One finished answer's tokens (n-grams never span two answers)."""
+        start = self.written
+        for token in tokens:
+            self.ring[self.written % self.capacity] = token
+            self.written += 1
+            end = self.written
+            for n in NGRAM_SIZES:
+                if end - start > n:
+                    self.latest[tuple(self._span(end - n - 1, end - 1))] = end - 1
+        if len(self.latest) > 4 * self.capacity:  # drop the n-grams whose place the ring wrote over
+            oldest = self.written - self.capacity
+            self.latest = {gram: at for gram, at in self.latest.items() if at - len(gram) >= oldest}
+
+    def _span(self, first: int, stop: int) -> list[int]:
+        return [self.ring[p % self.capacity] for p in range(first, stop)]
+
+    def propose(self, tokens: list[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest n-gram `tokens` end with, where it last occurred."""
+        oldest = self.written - self.capacity
+        for n in NGRAM_SIZES:
+            if len(tokens) < n:
+                continue
+            gram = tuple(tokens[-n:])
+            at = self.latest.get(gram)
+            if at is not None and at - n >= oldest and tuple(self._span(at - n, at)) == gram:
+                return self._span(at, min(at + limit, self.written))
+        return []
+
+
 @dataclass
 class SpeculationStats:
     """What speculation did for one request: tokens drafted, drafts accepted, forwards that gave it tokens."""
@@ -90,6 +133,7 @@ class Speculation:
             raise ValueError(f"speculative mode {mode!r}: choose one of {', '.join(MODES)}")
         self.on = mode == "auto" and exact
         self.seconds: dict[int, float] = {}  # positions a row -> the step's measured seconds (kept estimate)
+        self.recent = RecentOutputs()  # the answers of the loop's earlier requests
 
     def relative_cost(self, positions: int) -> float:
         """A step of `positions` positions a row against a one-token step (measured where both were, else the
@@ -105,10 +149,12 @@ class Speculation:
         self.seconds[positions] = seconds if kept is None else kept + COST_WEIGHT * (seconds - kept)
 
     def draft(self, lookup: PromptLookup, stats: SpeculationStats, room: int) -> list[int]:
-        """The tokens a request drafts this step (at most `room`: what its max_tokens and the context leave)."""
+        """The tokens a request drafts this step (at most `room`: what its max_tokens and the context leave): from
+        its own tokens, else from recent answers."""
         if not self.on or room <= 0:
             return []
-        proposal = lookup.propose(min(MAX_DRAFTS, room))
+        limit = min(MAX_DRAFTS, room)
+        proposal = lookup.propose(limit) or self.recent.propose(lookup.tokens, limit)
         if not proposal:
             return []
         rate = (stats.accepted_tokens + 1) / (stats.draft_tokens + 2)

@@ -290,6 +290,8 @@ class StepLoop:
             self._leave(request, "error")
 
     def _leave(self, request: GenerationRequest, reason: str) -> None:
+        if self.speculation.on and request.generated:
+            self.speculation.recent.add(request.generated)  # later requests may draft from this answer
         self.scheduler.leave(request)
         self.cache.release(request.slot)
         request.slot = None
