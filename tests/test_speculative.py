@@ -141,10 +141,12 @@ def test_checked_drafts_give_the_tokens_and_logprobs_of_one_token_a_forward(tiny
         assert alone[0] == off[row]
 
 
-def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch):
-    """A tools grammar (a call's markers and JSON arguments) with drafts checked: the same tokens as off."""
+@pytest.mark.parametrize("answer", ["tool call", "json_schema"])
+def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch, answer):
+    """A tools grammar (a call's markers and JSON arguments) or a json_schema one, seeded sampling, with the grammar's
+    forced tokens drafted, then drafts of an oracle: the same tokens as off."""
     from k2deploy.core.tokenizer_files import load_tokenizer
-    from k2deploy.runtime.text.constrained import Grammars, tools_grammar
+    from k2deploy.runtime.text.constrained import Grammars, json_grammar, tools_grammar
 
     model = _native(tiny_cpu_artifact)
     tokenizer = load_tokenizer(tiny_cpu_artifact / "tokenizer", model.config.vocab_size)
@@ -153,12 +155,15 @@ def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch):
     prompt = tokenizer.encode_chat([{"role": "user", "content": "When?"}], tools)
     grammars = Grammars(tokenizer, model.config.vocab_size)
     params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=24, stop_ids=tuple(tokenizer.stop_ids))
+    grammar = (tools_grammar(tools, "required", False) if answer == "tool call" else
+               json_grammar({"type": "object", "properties": {"city": {"type": "integer"}, "open": {"type": "boolean"}},
+                             "required": ["city", "open"]}))
 
     def run(speculative):
         loop = StepLoop(model, 1, len(prompt) + 24, max_queue=0, speculative=speculative)
         got = []
         request = GenerationRequest(list(prompt), params, lambda u: got.extend(u.token_ids),
-                                    constraint=grammars.constraint(tools_grammar(tools, "required", False)))
+                                    constraint=grammars.constraint(grammar))
         loop.submit(request)
         loop.run_until_done()
         return got, request.speculation
