@@ -253,3 +253,33 @@ def test_a_later_request_drafts_from_an_earlier_answer(scripted_cpu_artifact):
     (first, first_stats), (second, second_stats) = firsts
     assert first == second == TEXT[1:41]
     assert second_stats.accepted_tokens > 30 and second_stats.forward_steps < first_stats.forward_steps
+
+
+def test_pages_are_all_back_after_preemption_and_cancel_with_drafts(scripted_cpu_artifact):
+    """Two copying requests in a pool too small for both (one is preempted and runs again) and a third cancelled
+    mid-answer: the same tokens as off, and every page back in the pool."""
+    from k2deploy.core.cache_format import PAGE_SIZE
+
+    model = _native(scripted_cpu_artifact)
+    long_prompt = TEXT[:50] + TEXT[:3]  # 53 tokens: with 50 generated, two pages
+
+    def run(speculative):
+        loop = StepLoop(model, 3, 128, max_queue=0, pages=3, speculative=speculative)
+        got = [[] for _ in range(3)]
+        jobs = ((long_prompt, 50), (COPY_PROMPT, 40), (TEXT[:4], 40))
+        requests = [GenerationRequest(list(p), SamplingParams(max_new_tokens=n),
+                                      lambda u, i=i: got[i].extend(u.token_ids), row=i) for i, (p, n) in enumerate(jobs)]
+        for request in requests:
+            loop.submit(request)
+        steps = 0
+        while loop.scheduler.queue_depth() or loop.scheduler.running():
+            loop.step()
+            steps += 1
+            if steps == 3:
+                requests[2].cancelled = True
+        assert loop.cache.pool.available == loop.cache.pool.pages == 3 and PAGE_SIZE * 2 >= 53 + 50
+        return got, [r.preempted for r in requests], requests[2].finish_reason
+
+    on, preempted, cancelled = run("auto")
+    off, _, _ = run("off")
+    assert on[:2] == off[:2] and on[0] == TEXT[3:53] and sum(preempted) > 0 and cancelled is None
