@@ -16,6 +16,10 @@ first token), the drafted and accepted tokens and the forwards:
       (bench/scripted_head.py: every forward real, its own head included, only the choice of token scripted),
       where acceptance is what an agent's edits give.
 The speed-up is off's time over auto's, measured side by side on one host.
+
+With --serve N: `k2deploy serve ART --decode native --speculative auto`, then `off` (each round in turn), each sent
+the first N agent requests of benchmarks/agent_requests.json at once (chat completions with their tools, greedy,
+--tokens at most): each request's time, auto's over off's, and the server's pages after the load (all back).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -66,12 +71,61 @@ def _run(generator: Generator, prompt: list[int], params: SamplingParams, constr
             if later > 0 and got.tpot_ms > 0 else None, "seconds": time.perf_counter() - started, **got.speculative}
 
 
+def serve_rounds(artifact: Path, requests: int, tokens: int, rounds: int, threads: int) -> dict:
+    """Each agent request's seconds per --speculative mode (a list per round) and the drafts auto made."""
+    import asyncio
+
+    import httpx
+
+    from serve_load import Server
+
+    agents = json.loads((Path(__file__).parent / "agent_requests.json").read_text())
+    chosen = agents["requests"][:requests]
+    seconds = {mode: [[] for _ in chosen] for mode in ("auto", "off")}
+    drafted, pages_back = {"draft_tokens": 0, "accepted_tokens": 0}, True
+
+    async def one(http, url, model, request) -> tuple[float, dict]:
+        body = {"model": model, "messages": request["messages"], "tools": [agents["tools"][n] for n in request["tools"]],
+                "temperature": 0, "max_tokens": tokens}
+        started = time.perf_counter()
+        response = await http.post(f"{url}/v1/chat/completions", json=body)
+        response.raise_for_status()
+        return time.perf_counter() - started, response.json()["usage"].get("speculative", {})
+
+    async def load(url, model) -> list[tuple[float, dict]]:
+        async with httpx.AsyncClient(timeout=None) as http:
+            return await asyncio.gather(*(one(http, url, model, r) for r in chosen))
+
+    for round_ in range(rounds):
+        for mode in ("auto", "off") if round_ % 2 == 0 else ("off", "auto"):
+            server = Server(artifact, Path(f"/tmp/k2deploy-speculative/{mode}"), len(chosen), threads,
+                            ["--decode", "native", "--speculative", mode])
+            try:
+                asyncio.run(load(server.url, server.model))  # warm: the step loop's cost estimates, the caches
+                for i, (took, usage) in enumerate(asyncio.run(load(server.url, server.model))):
+                    seconds[mode][i].append(took)
+                    if mode == "auto":
+                        for key in drafted:
+                            drafted[key] += usage.get(key, 0)
+                metrics = httpx.get(f"{server.url}/metrics").text
+                used = re.search(r"^k2deploy_cache_pages_used (\S+)$", metrics, re.MULTILINE)
+                pages_back &= used is not None and float(used.group(1)) == 0
+            finally:
+                server.stop()
+        print(f"serve round {round_ + 1}/{rounds} done", file=sys.stderr)
+    ratios = [statistics.median(a) / statistics.median(o) for a, o in zip(seconds["auto"], seconds["off"])]
+    return {"requests": len(chosen), "max_tokens": tokens, "auto_over_off": [round(r, 3) for r in ratios],
+            "slowest_auto_over_off": round(max(ratios), 3), "pages_all_back": pages_back, **drafted}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("artifact", nargs="?", type=Path, help="a cpu-lowered artifact (default: decode_latency's small)")
     parser.add_argument("--threads", type=int, default=1, help="the native step's threads (default 1)")
     parser.add_argument("--tokens", type=int, default=96, help="tokens each answer generates (default 96)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of auto and off (default 3)")
+    parser.add_argument("--serve", type=int, default=0, metavar="N",
+                        help="also serve N agent requests at once with auto and with off (default 0: not)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if args.tokens < 2 or args.rounds < 1 or args.threads < 1:
@@ -112,8 +166,10 @@ def main(argv=None) -> int:
                      "auto_tokens_per_s": round(speed["auto"], 1), "off_tokens_per_s": round(speed["off"], 1),
                      "speedup": round(speed["auto"] / speed["off"], 3)})
     host = {"cpu": platform.processor() or platform.machine(), "levels": host_levels(), "threads": args.threads}
+    served = serve_rounds(artifact, args.serve, args.tokens, args.rounds, args.threads) if args.serve else None
     if args.json:
-        print(json.dumps({"artifact": str(artifact), "host": host, "rounds": args.rounds, "cases": rows}, indent=1))
+        print(json.dumps({"artifact": str(artifact), "host": host, "rounds": args.rounds, "cases": rows,
+                          "serve": served}, indent=1))
         return 0
     print(f"{artifact.name}, {args.threads} thread(s), {args.tokens} tokens an answer, median of {args.rounds} rounds")
     print(f"{'case':<32} {'tokens':>6} {'drafted':>8} {'accepted':>8} {'forwards':>8} {'auto tok/s':>10} "
@@ -122,6 +178,11 @@ def main(argv=None) -> int:
         print(f"{r['case']:<32} {r['tokens']:>6} {r['draft_tokens']:>8} {r['accepted_tokens']:>8} "
               f"{r['forward_steps']:>8} {r['auto_tokens_per_s']:>10.1f} {r['off_tokens_per_s']:>10.1f} "
               f"{r['speedup']:>7.2f}x")
+    if served:
+        print(f"serve, {served['requests']} agent requests at once: each request's time auto over off "
+              f"{', '.join(f'{r:.2f}' for r in served['auto_over_off'])} (slowest {served['slowest_auto_over_off']:.2f}); "
+              f"{served['accepted_tokens']} of {served['draft_tokens']} drafted tokens accepted; pages all back: "
+              f"{served['pages_all_back']}")
     return 0
 
 
