@@ -118,3 +118,37 @@ def test_padding_past_what_json_dumps_writes_is_masked(served, padded):
             break
         constraint.consume(token)
     assert masked
+
+
+TWO_CALLS = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+             '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>'
+             '{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_calls_in_one_section_come_back_as_several_tool_calls(served, stream):
+    """Kimi K2 writes two calls in one section (vLLM #24478 misparsed them): two tool_calls, each with its own id
+    functions.NAME:IDX and its arguments, streamed as deltas of index 0 then 1, no special token in any piece."""
+    model, tokenizer, client = served
+    model.script(tokenizer.encode(TWO_CALLS, allow_special=True))
+    asked = dict(model=MODEL, messages=ASK, tools=TOOLS, temperature=0, max_tokens=120)
+    if not stream:
+        choice = client.chat.completions.create(**asked).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        finish = choice.finish_reason
+    else:
+        calls, finish = [], None
+        for chunk in client.chat.completions.create(**asked, stream=True):
+            for choice in chunk.choices:
+                assert not any(name in (choice.delta.content or "") for name in tokenizer.special_ids)
+                for delta in choice.delta.tool_calls or []:
+                    if delta.id is not None:
+                        assert delta.index == len(calls)
+                        calls.append((delta.id, delta.function.name, ""))
+                    index = delta.index
+                    assert not any(name in (delta.function.arguments or "") for name in tokenizer.special_ids)
+                    calls[index] = (*calls[index][:2], calls[index][2] + (delta.function.arguments or ""))
+                finish = choice.finish_reason or finish
+    assert calls == [("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+                     ("functions.get_weather:1", "get_weather", '{"city": "Rome"}')]
+    assert finish == "tool_calls"
