@@ -25,6 +25,12 @@ class ScriptedHead:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
+    @property
+    def exact_positions(self) -> bool:
+        """Drafted tokens may be checked only where the script is by position: by row, a forward of several
+        positions would take several of its rows at once."""
+        return self.first is not None and getattr(self.model, "exact_positions", False)
+
     def script(self, ids: list[int]) -> None:
         """The answer's token ids, from the first generated one (after the prompt and any forced start)."""
         self.answer, self.made, self.first = list(ids) or [0], 0, None

@@ -180,12 +180,25 @@ class StepLoop:
                 request.lookup = PromptLookup(request.prompt_ids + request.generated)
             room = min(request.params.max_new_tokens - len(request.generated) - 1,
                        self.context - int(self.cache.lengths[request.slot]) - 1)
-            forced = request.constraint.forced(min(MAX_DRAFTS, room)) if request.constraint is not None else []
-            drafts.append(forced or self.speculation.draft(request.lookup, request.speculation, room))
+            drafts.append(self._forced(request, min(MAX_DRAFTS, room))
+                          or self.speculation.draft(request.lookup, request.speculation, room))
         lengths = [int(self.cache.lengths[r.slot]) + 1 + len(d) for r, d in zip(requests, drafts)]
         if self.cache.pages_short([r.slot for r in requests], lengths) > 0:
             return [[] for _ in requests]
         return drafts
+
+    @staticmethod
+    def _forced(request: GenerationRequest, limit: int) -> list[int]:
+        """The tokens its grammar forces next (none without a grammar, or where the grammar cannot say: drafting
+        only saves forwards, so it never fails a request; sampling then meets whatever is wrong with the grammar)."""
+        forced = getattr(request.constraint, "forced", None)
+        if forced is None:
+            return []
+        try:
+            return forced(limit)
+        except Exception:
+            log.debug("a grammar's forced tokens could not be read; no draft from it", exc_info=True)
+            return []
 
     def _verify(self, requests: list[GenerationRequest], drafts: list[list[int]]) -> None:
         """One forward of each request's last token and its drafts; each samples position by position as decoding

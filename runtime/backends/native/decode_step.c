@@ -1916,7 +1916,7 @@ long k2_contract(int what) {
 
 /* the int8 multiply-add peak of one thread at this level: `rounds` passes of PEAK_CHAINS independent dot4 chains
    (VBYTES multiply-adds each) over values held in registers -> a checksum (so that nothing is left out); the
-   caller times it (benchmarks/int8_peak.py) */
+   caller times it (benchmarks/prefill_peak.py) */
 #define PEAK_CHAINS 16
 long k2_dot4_peak(long rounds) {
     vi32 acc[PEAK_CHAINS];
@@ -1947,4 +1947,57 @@ void k2_logits(const K2Model *m, int batch, const float *hidden, float *logits, 
     one_product(&m->head, batch, quantize_rows(hidden, batch, d->hidden, m->final_norm, d->eps, m->head.block, &b),
                 logits);
     release_cpu(&held);
+}
+
+/* ---- the ops one by one: each the step's own code on plain arrays, for tests/test_native_ops.py to check against
+   its eager reference (plugins/, export/rope.py) at every instruction-set level; none is on the step's path ---- */
+
+/* out [rows, n] = each row of x [rows, n] normalised by w [n] (rms_norm) */
+void k2_op_rms_norm(const float *x, const float *w, int rows, int n, float eps, float *out) {
+    for (int r = 0; r < rows; r++) rms_norm(x + (size_t)r * n, w, n, eps, out + (size_t)r * n);
+}
+
+/* x [rows, r] roped in place, row i at position pos[i] (rope_turns, then rope) */
+void k2_op_rope(float *x, int rows, int r, const float *frequencies, const int *pos, float scale) {
+    float turns[r];
+    for (int i = 0; i < rows; i++) {
+        rope_turns(frequencies, r, pos[i], scale, turns);
+        rope(x + (size_t)i * r, r, turns);
+    }
+}
+
+/* x [n, m] through the router [e, m] and its correction bias [e] -> each token's top_k experts ids [n, top_k] and
+   their weights [n, top_k] (router_task, then route); -1 where the settings pass the step's limits */
+int k2_op_route(const float *x, int n, int m, const float *router, const float *bias, int experts, int top_k,
+                int n_group, int topk_group, int normalise, float scaling, int *ids, float *weights) {
+    if (experts > MAX_EXPERTS || top_k > MAX_TOP_K || n_group > MAX_GROUPS || n_group < 1) return -1;
+    K2Dims d = {.hidden = m, .top_k = top_k, .n_group = n_group, .topk_group = topk_group, .normalise = normalise,
+                .scaling = scaling};
+    float *scores = malloc((size_t)n * experts * sizeof(float));
+    if (!scores) return -1;
+    Router r = {router, x, scores, experts, m, n};
+    run(router_task, &r);
+    for (int s = 0; s < n; s++) route(&d, scores + (size_t)s * experts, bias, experts, ids + s * top_k, weights + s * top_k);
+    free(scores);
+    return 0;
+}
+
+/* y [batch, n] = x [batch, k], each row quantised in blocks of `block` as the step quantises its inputs, times the
+   weight held in tiles (w, ws: K2Lin, `bits` 8 or 4) */
+int k2_op_linear(const uint8_t *w, const float *ws, int n, int k, int block, int bits, const float *x, int batch,
+                 float *y) {
+    size_t per = (size_t)k + 2 * (size_t)(k / block) * 4 + 3 * 64;
+    char *scratch = malloc(batch * (sizeof(Quant) + per) + 128);  /* + the alignment and the array's rounding */
+    if (!scratch) return -1;
+    Bump b = {(char *)(((uintptr_t)scratch + 63) / 64 * 64)};
+    Quant *in = (Quant *)take(&b, batch * sizeof(Quant));
+    for (int s = 0; s < batch; s++) {
+        in[s] = quant(&b, k, block);
+        quantize(x + (size_t)s * k, &in[s]);
+        if (bits == 4) by_nibbles(&in[s]);
+    }
+    K2Lin l = {w, ws, n, k, block, bits};
+    one_product(&l, batch, in, y);
+    free(scratch);
+    return 0;
 }
