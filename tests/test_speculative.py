@@ -154,7 +154,8 @@ def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch, 
         "type": "object", "properties": {"day": {"type": "string"}}, "required": ["day"]}}}]
     prompt = tokenizer.encode_chat([{"role": "user", "content": "When?"}], tools)
     grammars = Grammars(tokenizer, model.config.vocab_size)
-    params = SamplingParams(temperature=1.0, seed=11, max_new_tokens=24, stop_ids=tuple(tokenizer.stop_ids))
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=11, max_new_tokens=24, logprobs=2,
+                            stop_ids=tuple(tokenizer.stop_ids))
     grammar = (tools_grammar(tools, "required", False) if answer == "tool call" else
                json_grammar({"type": "object", "properties": {"city": {"type": "integer"}, "open": {"type": "boolean"}},
                              "required": ["city", "open"]}))
@@ -162,7 +163,7 @@ def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch, 
     def run(speculative):
         loop = StepLoop(model, 1, len(prompt) + 24, max_queue=0, speculative=speculative)
         got = []
-        request = GenerationRequest(list(prompt), params, lambda u: got.extend(u.token_ids),
+        request = GenerationRequest(list(prompt), params, lambda u: got.extend(u.logprobs),
                                     constraint=grammars.constraint(grammar))
         loop.submit(request)
         loop.run_until_done()
@@ -171,7 +172,7 @@ def test_drafts_under_a_grammar_give_its_tokens(tiny_cpu_artifact, monkeypatch, 
     off, _ = run("off")
     forced, stats = run("auto")  # the grammar's forced tokens drafted (the call's markers, the key "day")
     assert forced == off and stats.accepted_tokens > 0 and stats.forward_steps < len(off), stats
-    oracle = _Oracle([prompt], [off])
+    oracle = _Oracle([prompt], [[t.token for t in off]])
     monkeypatch.setattr(Speculation, "draft", lambda self, lookup, stats, room: oracle.draft(lookup, stats, room))
     on, stats = run("auto")
     assert on == off and stats.accepted_tokens > 0
