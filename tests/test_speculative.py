@@ -81,7 +81,7 @@ def test_a_copied_answer_takes_fewer_forwards_and_gives_the_same_tokens(scripted
     on, stats = _run(model, [COPY_PROMPT], params, "auto", loops)
     off, off_stats = _run(model, [COPY_PROMPT], params, "off")
     assert [t.token for t in on[0]] == TEXT[5:45] and on == off
-    assert stats[0].accepted_tokens >= 30 and stats[0].forward_steps <= 12, stats[0]
+    assert stats[0].accepted_tokens >= 18 and stats[0].forward_steps <= 22, stats[0]  # a draft or more a step
     assert off_stats[0].draft_tokens == 0 and off_stats[0].forward_steps == 40
     pool = loops[0].cache.pool
     assert pool.available == pool.pages  # every page back (full ones findable by their prefix)
@@ -184,7 +184,7 @@ def test_generate_reports_speculation_and_off_drafts_nothing(scripted_cpu_artifa
                                       "--decode", "native", "--speculative", mode, "--json").stdout)
              for mode in ("auto", "off")}
     assert shown["auto"]["token_ids"] == shown["off"]["token_ids"] == TEXT[5:35]
-    assert shown["auto"]["speculative"]["accepted_tokens"] > 20
+    assert shown["auto"]["speculative"]["accepted_tokens"] >= 13 and shown["auto"]["speculative"]["forward_steps"] <= 17
     assert shown["off"]["speculative"] == {"draft_tokens": 0, "accepted_tokens": 0, "forward_steps": 30}
 
 
@@ -213,13 +213,13 @@ def test_serve_reports_drafts_in_usage_and_metrics(scripted_cpu_artifact, tmp_pa
             for usage in (whole.usage, chunks[-1].usage):
                 drafts = usage.model_extra["speculative"]
                 if mode == "auto":
-                    assert drafts["accepted_tokens"] > 20 and drafts["forward_steps"] < 15, drafts
+                    assert drafts["accepted_tokens"] >= 13 and drafts["forward_steps"] <= 17, drafts
                 else:
                     assert drafts == {"draft_tokens": 0, "accepted_tokens": 0, "forward_steps": 30}
             texts[mode] = whole.choices[0].text
             assert texts[mode] and texts[mode] == "".join(c.choices[0].text for c in chunks if c.choices)
             accepted = server.metric("k2deploy_draft_tokens_accepted_total")
-            assert (accepted > 40) if mode == "auto" else accepted == 0
+            assert (accepted >= 26) if mode == "auto" else accepted == 0
         finally:
             server.stop()
     assert texts["auto"] == texts["off"]
@@ -253,7 +253,7 @@ def test_a_later_request_drafts_from_an_earlier_answer(scripted_cpu_artifact):
         firsts.append((got, request.speculation))
     (first, first_stats), (second, second_stats) = firsts
     assert first == second == TEXT[1:41]
-    assert second_stats.accepted_tokens > 30 and second_stats.forward_steps < first_stats.forward_steps
+    assert second_stats.accepted_tokens >= 18 and second_stats.forward_steps <= 22 < first_stats.forward_steps
 
 
 def test_pages_are_all_back_after_preemption_and_cancel_with_drafts(scripted_cpu_artifact):

@@ -25,7 +25,9 @@ same text in other tokens.
 `auto` drafts only where it pays: each request keeps its measured acceptance (accepted over drafted, with one prior
 success in two), the loop keeps the measured time of a step by the positions its longest row ran, and a request
 drafts the k (0 .. MAX_DRAFTS) whose expected tokens a step, 1 + a + ... + a^k, over the step's time relative to a
-one-token step is largest; k = 0 (no draft) wins where acceptance is low (random weights) or a wider step is slow.
+one-token step is largest (each step's time the least of its last 8 measured: a busy host's pauses only ever add
+time, so they do not turn drafting off); k = 0 (no draft) wins where acceptance is low (random weights) or a wider
+step is slow.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ MODES = ("auto", "off")
 MAX_DRAFTS = 7  # tokens a request drafts at most in one step (a step then runs 8 positions)
 NGRAM_SIZES = (4, 3, 2)  # match lengths tried, longest first
 PRIOR_COST = 0.1  # before a wider step was timed: each extra position costs this much of a one-token step
-COST_WEIGHT = 0.2  # how fast a measured step time moves the kept estimate
+COST_WINDOW = 8  # a step's cost: the least of its last this many measured times (a pause only ever adds time)
 
 
 class PromptLookup:
@@ -132,7 +134,7 @@ class Speculation:
         if mode not in MODES:
             raise ValueError(f"speculative mode {mode!r}: choose one of {', '.join(MODES)}")
         self.on = mode == "auto" and exact
-        self.seconds: dict[int, float] = {}  # positions a row -> the step's measured seconds (kept estimate)
+        self.seconds: dict[int, list[float]] = {}  # positions a row -> the step's last COST_WINDOW measured seconds
         self.recent = RecentOutputs()  # the answers of the loop's earlier requests
 
     def relative_cost(self, positions: int) -> float:
@@ -141,12 +143,13 @@ class Speculation:
         if positions == 1:
             return 1.0
         if 1 in self.seconds and positions in self.seconds:
-            return self.seconds[positions] / self.seconds[1]
+            return min(self.seconds[positions]) / min(self.seconds[1])
         return 1.0 + PRIOR_COST * (positions - 1)
 
     def timed(self, positions: int, seconds: float) -> None:
-        kept = self.seconds.get(positions)
-        self.seconds[positions] = seconds if kept is None else kept + COST_WEIGHT * (seconds - kept)
+        kept = self.seconds.setdefault(positions, [])
+        kept.append(seconds)
+        del kept[:-COST_WINDOW]
 
     def draft(self, lookup: PromptLookup, stats: SpeculationStats, room: int) -> list[int]:
         """The tokens a request drafts this step (at most `room`: what its max_tokens and the context leave): from
