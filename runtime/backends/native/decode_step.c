@@ -42,7 +42,8 @@
 #define MAX_EXPERTS 4096
 #define HEAD_GROUP (VBYTES == 64 ? 16 : 8)  /* heads that share one pass of latent_dots() over a cached row */
 #define SPIN_SECONDS 2e-3 /* a worker idle this long sleeps until the next phase */
-#define STARVED_SECONDS 1e-3 /* the caller waiting this much longer than its own share took: a worker had no core */
+#define STARVED_SECONDS 1e-3 /* a worker that ran less than half of this long (its CPU time) while the caller waited
+                                this long for it, past its own share's time, had no core */
 #define QUIET_SECONDS 0.01  /* and then nobody spins for this long, doubled for each starved wait that follows */
 #define QUIET_DOUBLINGS 7   /* within the last quiet time or soon after (at most 1.28 s) */
 #define LEASE_IDLE_SECONDS 0.05  /* a process that ran no step for this long gives its cores' leases back */
@@ -105,6 +106,7 @@ static struct {
     _Atomic double step_ended;
     pthread_t ids[MAX_THREADS];
     atomic_int generation, done, sleeping, stop, caller_sleeps;
+    atomic_int finished_generation[MAX_THREADS];  /* the generation whose task thread t finished last */
     int streak;             /* starved waits in a row (each within a quiet time of the last), the caller's own */
     _Atomic double quiet_until;  /* before this time waits do not spin: a worker lately went without a core */
     Task task; void *arg;
@@ -118,6 +120,15 @@ static void pin(int cpu) {  /* the calling thread onto one CPU */
     CPU_ZERO(&set);
     CPU_SET(cpu, &set);
     sched_setaffinity(0, sizeof set, &set);
+}
+
+static struct timespec deadline_after(double seconds) {  /* on the pool's conditions' clock */
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    long nanos = deadline.tv_nsec + (long)(seconds * 1e9);
+    deadline.tv_sec += nanos / 1000000000L;
+    deadline.tv_nsec = nanos % 1000000000L;
+    return deadline;
 }
 
 static int may_spin(double at) { return at >= atomic_load(&pool.quiet_until); }
@@ -146,12 +157,7 @@ static int idle_wait(void) {
         give_back_leases(-1);
         return 0;
     }
-    double wait = at < until ? until - at : LEASE_IDLE_SECONDS;
-    struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);  /* the condition's clock */
-    long nanos = deadline.tv_nsec + (long)(wait * 1e9);
-    deadline.tv_sec += nanos / 1000000000L;
-    deadline.tv_nsec = nanos % 1000000000L;
+    struct timespec deadline = deadline_after(at < until ? until - at : LEASE_IDLE_SECONDS);
     pthread_cond_timedwait(&pool.wake, &pool.lock, &deadline);
     return 1;
 }
@@ -189,6 +195,7 @@ static void *worker(void *arg) {
             pool.pinned[tid] = pool.place[tid];
         }
         pool.task(pool.arg, tid, pool.active);
+        atomic_store(&pool.finished_generation[tid], seen);
         if (atomic_fetch_add(&pool.done, 1) == pool.active - 2 && atomic_load(&pool.caller_sleeps)) {
             pthread_mutex_lock(&pool.lock);  /* the caller sleeps (or is about to, under the lock): wake it */
             pthread_cond_signal(&pool.finished);
@@ -277,23 +284,59 @@ static void starved(double at) {
     atomic_store(&pool.quiet_until, at + QUIET_SECONDS * (1 << MIN(pool.streak, QUIET_DOUBLINGS)));
 }
 
-/* the caller's wait for the workers: spins while spinning is allowed, else (or once a worker has gone without a
-   core for a while: starved) sleeps until the last one wakes it */
+static double cpu_seconds(int t) {  /* worker t's CPU time so far */
+    clockid_t clock;
+    struct timespec at;
+    if (pthread_getcpuclockid(pool.ids[t], &clock) != 0 || clock_gettime(clock, &at) != 0) return 0;
+    return at.tv_sec + at.tv_nsec * 1e-9;
+}
+
+typedef struct { double at, cpu[MAX_THREADS]; } Progress;  /* the workers' CPU times at wall time `at` (0: none) */
+
+/* whether a worker still in the current task got under half of the wall time since progress->at on a CPU (none
+   taken yet: taken now, 0); a worker that is only slower than the caller (more work, slower memory) keeps running */
+static int worker_starved(Progress *progress, double at) {
+    int generation = atomic_load(&pool.generation), starving = 0;
+    for (int t = 1; t < pool.active; t++) {
+        if (atomic_load(&pool.finished_generation[t]) == generation) continue;
+        double cpu = cpu_seconds(t);
+        if (progress->at > 0 && cpu - progress->cpu[t] < 0.5 * (at - progress->at)) starving = 1;
+        progress->cpu[t] = cpu;
+    }
+    progress->at = at;
+    return starving;
+}
+
+/* the caller's wait for the workers: spins while spinning is allowed, else sleeps until the last one wakes it (a
+   look every STARVED_SECONDS); once it has waited STARVED_SECONDS past its own share's time, it looks at the
+   workers' CPU times every STARVED_SECONDS: a worker that went without a core (starved) turns spinning off */
 static void wait_for_workers(double own_seconds) {
-    double since = now();
+    double since = now(), looked = 0;
+    Progress progress = {0};
     for (int spins = 1; atomic_load(&pool.done) < pool.active - 1; spins++) {
         if (spins % 1024 == 0) sched_yield();  /* a worker waiting for this core gets it */
         if (spins % 256 == 0) {
             double at = now();
-            if (at - since > own_seconds + STARVED_SECONDS) starved(at);
+            if (at - since > own_seconds + STARVED_SECONDS && at - looked >= STARVED_SECONDS) {
+                if (worker_starved(&progress, at)) starved(at);
+                looked = at;
+            }
             if (!may_spin(at)) {
                 pthread_mutex_lock(&pool.lock);
                 atomic_store(&pool.caller_sleeps, 1);  /* before done is read again: the last worker then wakes it */
-                while (atomic_load(&pool.done) < pool.active - 1) pthread_cond_wait(&pool.finished, &pool.lock);
+                while (atomic_load(&pool.done) < pool.active - 1) {
+                    struct timespec deadline = deadline_after(STARVED_SECONDS);
+                    pthread_cond_timedwait(&pool.finished, &pool.lock, &deadline);
+                    double woken = now();
+                    if (atomic_load(&pool.done) < pool.active - 1 && woken - since > own_seconds + STARVED_SECONDS &&
+                        worker_starved(&progress, woken)) {  /* still no core for them */
+                        pthread_mutex_unlock(&pool.lock);
+                        starved(woken);
+                        pthread_mutex_lock(&pool.lock);
+                    }
+                }
                 atomic_store(&pool.caller_sleeps, 0);
                 pthread_mutex_unlock(&pool.lock);
-                double woken = now();
-                if (woken - since > own_seconds + STARVED_SECONDS) starved(woken);  /* still no core for them */
                 return;
             }
         }
@@ -1998,6 +2041,42 @@ int k2_op_linear(const uint8_t *w, const float *ws, int n, int k, int block, int
     }
     K2Lin l = {w, ws, n, k, block, bits};
     one_product(&l, batch, in, y);
+    free(scratch);
+    return 0;
+}
+
+/* y [batch, m] = mlp() of xn [batch, m] through layer l: a dense layer's MLP, or the routed experts (routing
+   included) and the shared one's; -1 where the settings pass the step's limits */
+int k2_op_mlp(const K2Dims *d, const K2Layer *l, int batch, const float *xn, float *y) {
+    if (batch < 1 || d->top_k > MAX_TOP_K || d->n_group > MAX_GROUPS || d->n_group < 1 ||
+        (l->moe && (l->experts > MAX_EXPERTS || (l->bits != 8 && l->bits != 4))))
+        return -1;
+    K2Model model = {.d = *d, .layers = 1, .layer = l};
+    char *scratch = malloc((size_t)k2_scratch_floats(&model, pool.threads ? pool.threads : 1, batch) * 4 + 64);
+    if (!scratch) return -1;
+    Bump b = {(char *)(((uintptr_t)scratch + 63) / 64 * 64)};
+    mlp(d, l, batch, xn, y, b);
+    free(scratch);
+    return 0;
+}
+
+/* out [n, h, v] = the absorbed attention of n queries of one sequence, q [n, h, d + r] (q_nope, roped q_pe), query
+   i at position pos[i] over positions 0 .. pos[i] of its pages (table): each alone (attention()), or, together != 0,
+   all as one run of tiles (block_attention(), which needs the latent a multiple of VBYTES); -1 on a bad argument */
+int k2_op_attention(const K2Dims *d, const K2Layer *l, const K2Pages *pages, const int64_t *table, int n,
+                    const int *pos, const float *q, float *out, int together) {
+    if (n < 1 || (together && d->latent % VBYTES)) return -1;
+    for (int i = 0; i < n; i++)
+        if (pos[i] < 0 || pos[i] >= d->max_len) return -1;
+    char *scratch = malloc(step_attention_bytes(d, pool.threads ? pool.threads : 1) + 64);
+    if (!scratch) return -1;
+    char *aligned = (char *)(((uintptr_t)scratch + 63) / 64 * 64);
+    int qk = d->nope + d->rope;
+    if (together) block_attention(d, l, pages, table, n, pos, q, out, aligned);
+    else
+        for (int i = 0; i < n; i++)
+            attention(d, l, pages, table, pos[i] + 1, q + (size_t)i * d->heads * qk, out + (size_t)i * d->heads * d->v,
+                      aligned);
     free(scratch);
     return 0;
 }
