@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..core.errors import K2Error
-from ..runtime.backends.thread_pool import default_threads
+from ..runtime.backends.onnx.thread_pool import default_threads
 from ..core.targets import GPU_PROVIDERS, artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
@@ -55,7 +55,7 @@ class BenchOptions:
     placement: str | None = None  # pipeline stages ("auto" or ranges), in this process or on Ray
     ray: str | None = None  # a Ray address ("auto" or HOST:PORT): the stages run on Ray actors
     threads: int | None = None  # the intra-op thread pool (and torch's); None: this host's physical cores
-    decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/backends/ort_backend.py)
+    decode: str = "auto"  # one sequence's decode step: native, onnx or auto (runtime/backends/onnx/model.py)
     speculative: str = "auto"  # drafted tokens checked where they pay, or off (runtime/engine/speculation.py)
     baseline: str | None = None  # "eager", "hf", "none"; None: eager where it can run
     repeats: int = 3

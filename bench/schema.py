@@ -191,7 +191,7 @@ SCHEMA = {
                                                               "pay (auto) or one token a forward (off); absent in "
                                                               "results that predate it"},
         "decode_kernels": {"type": ["string", "null"],
-                           "description": "what ran one sequence's decode step: native (runtime/backends/native_decode.py) or "
+                           "description": "what ran one sequence's decode step: native (runtime/backends/native/decoder.py) or "
                                           "onnx (the graphs; with the reason where native was asked for by auto and "
                                           "could not run); null: another backend; absent in results that predate it"},
         "versions": {"type": "object", "required": ["k2deploy", "onnxruntime", "numpy", "python"],

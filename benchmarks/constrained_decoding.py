@@ -27,7 +27,7 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
 from k2deploy.runtime.text.constrained import Grammars, json_grammar
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.sampling import SamplingParams, sample
 
 SCHEMA = {"type": "object", "properties": {

@@ -166,7 +166,7 @@ def _serve_ours(conn, artifact: str, threads: int) -> None:
     count); each request is timed here, so the pipe's latency is not in the figures."""
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.decode_choice import load_model
+    from k2deploy.runtime.backends.native.choice import load_model
 
     model = load_model(load_manifest(artifact), threads=threads)
     gen = Generator(model)
@@ -379,8 +379,8 @@ class LayerGraph:
         import onnxruntime as ort
 
         from k2deploy.core.cache_format import PAGE_SIZE
-        from k2deploy.runtime.backends.host_pages import LatentPages
-        from k2deploy.runtime.backends.thread_pool import session_options
+        from k2deploy.runtime.backends.onnx.host_pages import LatentPages
+        from k2deploy.runtime.backends.onnx.thread_pool import session_options
 
         self.ort = ort
         self.session = ort.InferenceSession(str(onnx_path), session_options(threads), providers=["CPUExecutionProvider"])
@@ -488,7 +488,7 @@ def generate_memory(artifact: Path, threads: int, prompt_len: int = 128, new_tok
 
     from k2deploy.core.manifest import load_manifest
     from k2deploy.core.cache_format import PAGE_SIZE
-    from k2deploy.runtime.backends.host_pages import LatentPages
+    from k2deploy.runtime.backends.onnx.host_pages import LatentPages
 
     manifest = load_manifest(artifact, verify_hashes=False)
     weights = sum(r["bytes"] for f, r in manifest.data["files"].items() if f.endswith(".data"))

@@ -76,7 +76,7 @@ def agreement(checkpoint: Path, artifacts: dict[str, Path], steps: int) -> dict:
     from k2deploy.export import parity
     from k2deploy.export.weights import load_transformer
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.decode_choice import load_model
+    from k2deploy.runtime.backends.native.choice import load_model
 
     reference = load_transformer(Checkpoint.open(checkpoint))
     prompt = list(range(5, 133))

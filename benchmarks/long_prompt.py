@@ -27,7 +27,7 @@ import json, sys, time
 import numpy as np
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.sampling import SamplingParams
 model = load_model(load_manifest(sys.argv[1]), threads=int(sys.argv[3]) or None)
 prompt = np.random.default_rng(0).integers(3, model.config.vocab_size, int(sys.argv[2])).tolist()

@@ -5,7 +5,7 @@ products give.
     . .venv/bin/activate && python benchmarks/native_step.py [ART] [--contexts 576,2048,8000] [--threads 1,2]
         [--isa native|all|LEVEL,...] [--steps 200] [--rounds 3] [--json]
 
---isa all: every level this host's CPU can execute (runtime/backends/native_build.py host_levels: plain, ssse3, avx2,
+--isa all: every level this host's CPU can execute (runtime/backends/native/build.py host_levels: plain, ssse3, avx2,
 avx-vnni, avx512bw, avx512-vnni on x86-64; plain, neon, neon-dotprod on ARM), each built with its own -march and
 loaded through K2DEPLOY_NATIVE_ISA, side by side in the same rounds; speed-ups are against the first row.
 
@@ -32,7 +32,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from k2deploy.runtime.backends.native_build import ISA_VARIABLE
+from k2deploy.runtime.backends.native.build import ISA_VARIABLE
 from thread_pools import counts, ensure_artifact, isa_levels
 
 # argv: artifact threads steps contexts(comma-separated); prints {"step_ms": {T: ms}, "head_ms": ms}
@@ -41,8 +41,8 @@ import json, sys, time
 import numpy as np
 from k2deploy.core.cache_format import PAGE_SIZE
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.host_pages import LatentPages
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.onnx.host_pages import LatentPages
+from k2deploy.runtime.backends.native.choice import load_model
 
 artifact, threads, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 contexts = [int(t) for t in sys.argv[4].split(",")]

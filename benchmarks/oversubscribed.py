@@ -12,7 +12,7 @@ child: a prompt, then greedy tokens back to back, decode through the native step
     alone                  one process with --threads 1, the host's cores, and the host's cores x 2
     two side by side       two processes started together, with one thread each (the floor: nothing shared but
                            the memory system) and with the host's cores each (their pools share the cores by
-                           leases, runtime/backends/core_leases.py)
+                           leases, runtime/backends/native/core_leases.py)
     beside a busy process  one process with the host's cores, a process spinning on one core beside it
 
 The table gives the median over rounds of each process's time per output token, its ratio to the best "alone" row,

@@ -29,8 +29,8 @@ from k2deploy.export import parity, reference
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.weights import load_transformer
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.decode_choice import load_model
-from k2deploy.runtime.backends.thread_pool import process_threads
+from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.onnx.thread_pool import process_threads
 
 PROMPTS = [[5, 17, 300, 42, 9, 1000, 77, 3, 640, 12, 12, 401], [1, 2, 3],
            [700, 650, 20, 20, 20, 999, 4, 80, 81, 82, 83, 84, 85, 86, 87, 88, 500, 1]]

@@ -42,13 +42,13 @@ import sys
 from pathlib import Path
 
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.native_build import ISA_VARIABLE, host_levels
+from k2deploy.runtime.backends.native.build import ISA_VARIABLE, host_levels
 from thread_pools import counts, ensure_artifact, isa_levels
 
 # argv: threads seconds; prints {"isa": ..., "per_thread": [GMAC/s ...]}
 _PEAK = r"""
 import ctypes, json, sys, threading, time
-from k2deploy.runtime.backends.native_build import library
+from k2deploy.runtime.backends.native.build import library
 threads, seconds = int(sys.argv[1]), float(sys.argv[2])
 lib = library()
 lib.k2_dot4_peak.argtypes, lib.k2_dot4_peak.restype = [ctypes.c_long], ctypes.c_long
@@ -78,8 +78,8 @@ import json, sys, time
 import numpy as np
 from k2deploy.core.cache_format import PAGE_SIZE
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.host_pages import LatentPages
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.onnx.host_pages import LatentPages
+from k2deploy.runtime.backends.native.choice import load_model
 artifact, threads, batch, context, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 model = load_model(load_manifest(artifact), threads=threads, decode="native")
 native, vocab = model.native, model.config.vocab_size
@@ -107,7 +107,7 @@ print(json.dumps({"step_ms": float(np.median(times))}))
 _PREFILL = r"""
 import json, sys
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.generator import Generator
 from k2deploy.runtime.engine.sampling import SamplingParams
 artifact, threads, ids = sys.argv[1], int(sys.argv[2]), [int(i) for i in sys.argv[3].split(",")]

@@ -21,7 +21,7 @@ import statistics
 import numpy as np
 
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.requests import GenerationRequest
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.engine.step_loop import StepLoop

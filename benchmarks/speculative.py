@@ -39,8 +39,8 @@ from k2deploy.bench.scripted_head import ScriptedHead
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer import TRAINING_TEXT
 from k2deploy.core.tokenizer_files import load_tokenizer
-from k2deploy.runtime.backends.decode_choice import load_model
-from k2deploy.runtime.backends.native_build import host_levels
+from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.native.build import host_levels
 from k2deploy.runtime.engine.generator import Generator
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.text.constrained import Grammars, json_grammar, tools_grammar

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
 
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.loading import load_backend
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.stages.placed import load_placed
 
     checkpoint, config = ensure_checkpoint(args.work, args.preset, None, [], 0)

@@ -1,5 +1,5 @@
 """How a process's threads are organised, measured: one ONNX Runtime pool shared by every session with decode
-through the native step (what the runtime does, `runtime/backends/thread_pool.py`, `runtime/backends/native_decode.py`), the same
+through the native step (what the runtime does, `runtime/backends/onnx/thread_pool.py`, `runtime/backends/native/decoder.py`), the same
 pool with decode through the graphs too, and a pool per session with its threads spinning between runs or not.
 
     . .venv/bin/activate && python benchmarks/thread_pools.py [ART] [--threads 1,2] [--rounds 3] [--json]
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import stream_bound
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.native_build import host_levels
+from k2deploy.runtime.backends.native.build import host_levels
 
 CONFIGS = {
     "one pool": "one global pool shared by every session (the runtime's choice), decode through the native step",
@@ -54,7 +54,8 @@ import json, statistics, sys, time
 import numpy as np
 import onnxruntime as ort
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends import decode_choice, ort_backend, thread_pool
+from k2deploy.runtime.backends.native import choice
+from k2deploy.runtime.backends.onnx import model as onnx_model, thread_pool
 from k2deploy.runtime.engine.generator import Generator
 from k2deploy.runtime.engine.sampling import SamplingParams
 
@@ -68,10 +69,10 @@ if not config.startswith("one pool"):  # the sessions get pools of their own ins
         options.intra_op_num_threads = threads
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if config.endswith(", spinning") else "0")
         return options
-    ort_backend.session_options = per_session
+    onnx_model.session_options = per_session
     thread_pool._pool_threads = threads  # what the model reports; no global pool is made
-model = decode_choice.load_model(load_manifest(artifact), threads=threads,
-                                 decode="native" if config == "one pool" else "onnx")
+model = choice.load_model(load_manifest(artifact), threads=threads,
+                          decode="native" if config == "one pool" else "onnx")
 generator = Generator(model)
 prompt = [(i * 37) % 1000 + 3 for i in range(prompt_len)]
 generator.generate([prompt], SamplingParams(max_new_tokens=4))  # warm-up: arenas, kernels

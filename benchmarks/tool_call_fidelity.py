@@ -36,9 +36,9 @@ from k2deploy.bench.scripted_head import ScriptedHead
 from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
 from k2deploy.runtime.text.chat_tools import ToolSteering, calls_made
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.serve.app import build_app
-from k2deploy.runtime.serve.engine import Engine
+from k2deploy.runtime.serve.engine_thread import Engine
 from k2deploy.runtime.serve.metrics import ServerMetrics
 from k2deploy.runtime.text.tool_calls import KIMI_K2_MARKERS
 

@@ -35,7 +35,7 @@ def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
     from ..export.weights import load_transformer
     from ..core.manifest import load_manifest
     from ..runtime.engine.generator import Generator
-    from ..runtime.backends.ort_backend import OrtModel
+    from ..runtime.backends.onnx.model import OrtModel
     from ..runtime.engine.sampling import SamplingParams
     from ..core.tokenizer_files import load_tokenizer
 

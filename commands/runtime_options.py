@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from ..core.targets import BACKENDS, PROVIDERS
-from ..runtime.backends.native_decode import DECODE_KERNELS
+from ..runtime.backends.native.decoder import DECODE_KERNELS
 from ..runtime.engine.speculation import MODES
 
 

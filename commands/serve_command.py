@@ -133,7 +133,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ..core.tokenizer_files import load_tokenizer
     from ..runtime.loading import load_backend
     from ..runtime.serve.connections import with_header_deadline
-    from ..runtime.serve.engine import Engine
+    from ..runtime.serve.engine_thread import Engine
     from ..runtime.serve.metrics import ServerMetrics
 
     artifact = Path(args.artifact)

@@ -23,7 +23,7 @@ def load_backend(name: str, manifest, provider: str = "cpu", threads: int | None
         tokens = cache_tokens or manifest.config.max_position_embeddings
         return load_placed(manifest, placement, ray, provider, threads, tokens, decode=decode)
     if name == "onnxruntime":
-        from .backends.decode_choice import load_model
+        from .backends.native.choice import load_model
 
         return load_model(manifest, provider=provider, threads=threads, decode=decode)
     if name == "tensorrt":

@@ -40,7 +40,7 @@ def one_thread_pool():
     """The test process runs every model on one intra-op pool of one thread (a process has one pool, sized once):
     tests that ask for threads=1 get it whatever ran first, and a loaded CI machine is not oversubscribed."""
     pytest.importorskip("onnxruntime")
-    from k2deploy.runtime.backends.thread_pool import process_threads
+    from k2deploy.runtime.backends.onnx.thread_pool import process_threads
 
     return process_threads(1)
 

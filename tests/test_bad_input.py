@@ -170,7 +170,7 @@ def test_prompt_ids_with_an_empty_id_are_refused(tiny_cpu_artifact, ids):
 
 @pytest.mark.parametrize("value", ["OFF", "Off", " off "])
 def test_core_leases_off_in_any_case_makes_no_folder(tmp_path, monkeypatch, value):
-    from k2deploy.runtime.backends.core_leases import LEASES_VARIABLE, lease_folder
+    from k2deploy.runtime.backends.native.core_leases import LEASES_VARIABLE, lease_folder
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(LEASES_VARIABLE, value)
@@ -178,7 +178,7 @@ def test_core_leases_off_in_any_case_makes_no_folder(tmp_path, monkeypatch, valu
 
 
 def test_core_leases_in_a_relative_folder_are_refused_and_no_folder_is_made(tmp_path, monkeypatch):
-    from k2deploy.runtime.backends.core_leases import LEASES_VARIABLE, lease_folder
+    from k2deploy.runtime.backends.native.core_leases import LEASES_VARIABLE, lease_folder
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv(LEASES_VARIABLE, "leases")

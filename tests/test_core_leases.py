@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from child_env import child_env
-from k2deploy.runtime.backends import native_build
-from k2deploy.runtime.backends.core_leases import LEASES_VARIABLE, core_leases, lease_folder
-from k2deploy.runtime.backends.native_build import NativeUnavailable
+from k2deploy.runtime.backends.native import build
+from k2deploy.runtime.backends.native.core_leases import LEASES_VARIABLE, core_leases, lease_folder
+from k2deploy.runtime.backends.native.build import NativeUnavailable
 
 # One process (a pool is sized once a process): the pool's state after a step with every core free, after a while
 # idle, with another holder on its second core's lease, and once that holder lets go.
@@ -20,9 +20,9 @@ _LEASE_STATES = """
 import ctypes, fcntl, json, os, sys, time
 import numpy as np
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.core_leases import lease_folder
-from k2deploy.runtime.backends.decode_choice import load_model
-from k2deploy.runtime.backends.host_pages import LatentPages
+from k2deploy.runtime.backends.native.core_leases import lease_folder
+from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.onnx.host_pages import LatentPages
 model = load_model(load_manifest(sys.argv[1]), threads=2, decode="native")
 native, store, table = model.native, LatentPages(model.kv_cache, model.num_layers, 1), np.arange(1)
 def state():
@@ -54,7 +54,7 @@ def test_a_step_runs_on_the_cores_whose_leases_its_process_holds(tiny_cpu_artifa
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one CPU: a pool of one thread takes no leases")
     try:
-        native_build.build()
+        build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"the native decode step cannot be built here: {exc}")
     env = child_env(Path(__file__).parent)

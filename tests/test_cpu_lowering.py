@@ -21,11 +21,11 @@ from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
 from k2deploy.export import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
 from k2deploy.export.passes import untiled, untiled_scales  # noqa: E402
-from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
+from k2deploy.runtime.backends.onnx.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
 from k2deploy.runtime.engine.generator import Generator  # noqa: E402
-from k2deploy.runtime.backends.decode_choice import load_model  # noqa: E402
+from k2deploy.runtime.backends.native.choice import load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # exports of the small preset
 

@@ -23,9 +23,9 @@ from k2deploy.export import parity
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.passes import untiled, untiled_scales
 from k2deploy.export.weights import load_transformer
-from k2deploy.runtime.backends.decode_choice import load_model
+from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.backends.onnx.model import OrtModel
 
 from cli_runner import run_cli
 
@@ -106,7 +106,7 @@ def test_qmoe_over_the_checkpoints_codes_is_the_eager_maths_to_float_rounding():
 
     from k2deploy import plugins
     from k2deploy.plugins.int4 import EXACT, INT8_ACTIVATIONS, moe_experts_int4
-    from k2deploy.runtime.backends.thread_pool import session_options
+    from k2deploy.runtime.backends.onnx.thread_pool import session_options
 
     rng = np.random.default_rng(1)
     e, f, m, n, k = 8, 64, 128, 5, 2

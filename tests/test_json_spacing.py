@@ -22,9 +22,9 @@ from k2deploy.bench.scripted_head import ScriptedHead  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
 from k2deploy.runtime.text.constrained import Grammars, json_grammar  # noqa: E402
-from k2deploy.runtime.backends.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.backends.onnx.model import OrtModel  # noqa: E402
 from k2deploy.runtime.serve.app import build_app  # noqa: E402
-from k2deploy.runtime.serve.engine import Engine  # noqa: E402
+from k2deploy.runtime.serve.engine_thread import Engine  # noqa: E402
 from k2deploy.runtime.serve.metrics import ServerMetrics  # noqa: E402
 
 MODEL = "scripted"

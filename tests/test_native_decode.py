@@ -1,4 +1,4 @@
-"""The native decode step (runtime/backends/native_decode.py): the same token's logits and cache entry as the graphs, the
+"""The native decode step (runtime/backends/native/decoder.py): the same token's logits and cache entry as the graphs, the
 choice between them (auto, native, onnx) and its reasons, and its build."""
 
 import _ctypes
@@ -18,13 +18,13 @@ from child_env import child_env
 from cli_runner import run_cli
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends import decode_choice, native_build
+from k2deploy.runtime.backends.native import build, choice
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.native_build import NativeUnavailable
-from k2deploy.runtime.backends.native_decode import GraphWeights, NativeDecoder
-from k2deploy.runtime.backends.decode_choice import load_model
-from k2deploy.runtime.backends.native_model import NativeModel
-from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.backends.native.build import NativeUnavailable
+from k2deploy.runtime.backends.native.decoder import GraphWeights, NativeDecoder
+from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.native.model import NativeModel
+from k2deploy.runtime.backends.onnx.model import OrtModel
 from k2deploy.runtime.engine.requests import GenerationRequest, TokenLogprob
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.engine.step_loop import StepLoop
@@ -37,7 +37,7 @@ def _native_or_skip(artifact) -> NativeModel:
     """The artifact's model decoding through the native step: a failure where it cannot run but a C compiler
     exists (the artifact then does not fit the step), a skip only without a compiler."""
     try:
-        native_build.build()
+        build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"the native decode step cannot be built here: {exc}")
     return load_model(load_manifest(artifact), decode="native")
@@ -139,17 +139,17 @@ print(json.dumps({"layers": layers, "chunks_agree": bool(np.array_equal(alone, t
 """
 
 
-@pytest.mark.parametrize("level", native_build.levels())
+@pytest.mark.parametrize("level", build.levels())
 def test_every_instruction_set_level_gives_the_graphs_layers(tiny_cpu_artifact, tiny_int4_cpu_artifact, level):
     """Each instruction-set level's build (its own -march, its own lowering of isa.h's dot4 and interleave4) gives
     every layer the graph's output to float rounding and its cache entry within one int8 step, and a prompt's logits
     to the bit whether its tokens come one a step or all in one (its own row tiles and products of several inputs),
     checked in a process of its own for every level this CPU runs; a level it cannot run is a skip that names it (an
     AVX-512 host runs them all)."""
-    if level not in native_build.host_levels():
+    if level not in build.host_levels():
         pytest.skip(f"this CPU cannot run the {level} build")
     env = child_env(Path(__file__).parent)
-    env[native_build.ISA_VARIABLE] = level
+    env[build.ISA_VARIABLE] = level
     for artifact in (tiny_cpu_artifact, tiny_int4_cpu_artifact):  # 8-bit and 4-bit routed experts
         run = subprocess.run([sys.executable, "-c", _LEVEL_CHECK, str(artifact)], capture_output=True, text=True,
                              env=env, timeout=600)
@@ -166,8 +166,8 @@ _LOGITS_HASH = """
 import hashlib, sys
 import numpy as np
 from k2deploy.core.manifest import load_manifest
-from k2deploy.runtime.backends.decode_choice import load_model
-from k2deploy.runtime.backends.host_pages import LatentPages
+from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.onnx.host_pages import LatentPages
 model = load_model(load_manifest(sys.argv[1]), threads=int(sys.argv[2]), decode="native")
 store, table, digest = LatentPages(model.kv_cache, model.num_layers, 3), np.arange(3), hashlib.sha256()
 for position in range(156):
@@ -238,8 +238,8 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
     monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path))
     timed, decoders = [], []
     figures = {"faster": (0.5, 1.0), "slower": (2.0, 1.0), "within the margin": (1.05, 1.0)}
-    monkeypatch.setattr(decode_choice, "time_graph_layer", lambda model: timed.append(1) or figures[case][1])
-    monkeypatch.setattr(decode_choice, "time_native_layer", lambda native, manifest: figures[case][0])
+    monkeypatch.setattr(choice, "time_graph_layer", lambda model: timed.append(1) or figures[case][1])
+    monkeypatch.setattr(choice, "time_native_layer", lambda native, manifest: figures[case][0])
 
     class Recorded(NativeDecoder):
         def __init__(self, *args):
@@ -252,8 +252,8 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
             assert all(ref() is None for ref in decoders)
         return OrtModel(*args, **kwargs)
 
-    monkeypatch.setattr(decode_choice, "NativeDecoder", Recorded)
-    monkeypatch.setattr(decode_choice, "OrtModel", graphs)
+    monkeypatch.setattr(choice, "NativeDecoder", Recorded)
+    monkeypatch.setattr(choice, "OrtModel", graphs)
     case = "slower"
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
     assert not isinstance(model, NativeModel) and model.decode_kernels.startswith("onnx (native ")
@@ -261,30 +261,30 @@ def test_auto_decodes_natively_only_where_it_measured_no_slower(tiny_cpu_artifac
     assert timed == [1]
     kept = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
     assert not isinstance(kept, NativeModel) and "kept from an earlier run" in kept.decode_kernels and timed == [1]
-    (tmp_path / decode_choice.CHOICES).write_text('{"' + '": {"native_ms": -1}}')  # damaged: measured again
+    (tmp_path / choice.CHOICES).write_text('{"' + '": {"native_ms": -1}}')  # damaged: measured again
     case = "faster"
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
     assert isinstance(model, NativeModel) and timed == [1, 1]
     assert model.decode_kernels.startswith(f"native ({model.native.isa}; layer 0 measured 0.500 ms")
-    assert json.loads((tmp_path / decode_choice.CHOICES).read_text())  # rewritten whole
+    assert json.loads((tmp_path / choice.CHOICES).read_text())  # rewritten whole
     case = "within the margin"
-    (tmp_path / decode_choice.CHOICES).unlink()
+    (tmp_path / choice.CHOICES).unlink()
     assert isinstance(load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1), NativeModel)
     case = "slower"  # but the graphs would not fit (a real-size MoE layer on a 24 GB host): nothing is timed
-    (tmp_path / decode_choice.CHOICES).unlink()
-    need = decode_choice.graphs_memory(load_manifest(tiny_cpu_artifact))
-    monkeypatch.setattr(decode_choice, "available_memory", lambda: need - 1)
+    (tmp_path / choice.CHOICES).unlink()
+    need = choice.graphs_memory(load_manifest(tiny_cpu_artifact))
+    monkeypatch.setattr(choice, "available_memory", lambda: need - 1)
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto", threads=1)
     assert isinstance(model, NativeModel) and "the graphs would need about" in model.decode_kernels
-    assert timed == [1, 1, 1] and not (tmp_path / decode_choice.CHOICES).exists()
+    assert timed == [1, 1, 1] and not (tmp_path / choice.CHOICES).exists()
 
 
 def test_the_first_layer_is_timed_both_ways(tiny_cpu_artifact):
     model = _native_or_skip(tiny_cpu_artifact)
     graphs = OrtModel(load_manifest(tiny_cpu_artifact), layers=range(1), embed=False)
     assert graphs.embed_session is None and graphs.head_session is None and len(graphs.layer_sessions) == 1
-    assert decode_choice.time_graph_layer(graphs) > 0
-    assert decode_choice.time_native_layer(model.native, model.manifest) > 0
+    assert choice.time_graph_layer(graphs) > 0
+    assert choice.time_native_layer(model.native, model.manifest) > 0
 
 
 def test_the_step_refuses_a_token_or_position_outside_the_model(tiny_cpu_artifact):
@@ -310,7 +310,7 @@ def test_auto_falls_back_to_the_graphs_and_says_why(tiny_artifacts):
 
 
 def test_auto_keeps_to_the_graphs_where_the_weights_cannot_be_mapped_beside_them(tiny_cpu_artifact, monkeypatch):
-    monkeypatch.setattr("k2deploy.runtime.backends.native_decode.available_memory", lambda: 1 << 20)
+    monkeypatch.setattr("k2deploy.runtime.backends.native.decoder.available_memory", lambda: 1 << 20)
     model = load_model(load_manifest(tiny_cpu_artifact), decode="auto")
     assert not isinstance(model, NativeModel) and "runs on them in memory" in model.decode_kernels
     assert "1 MiB" not in model.decode_kernels and "GiB is available" in model.decode_kernels
@@ -335,7 +335,7 @@ def test_a_model_past_the_steps_routing_limits_keeps_to_the_graphs(tiny_cpu_arti
 def test_a_build_whose_contract_differs_from_the_runtimes_is_refused(tiny_cpu_artifact, monkeypatch):
     """The library's constants and struct sizes (k2_contract) are checked against the Python side's at load."""
     _native_or_skip(tiny_cpu_artifact)
-    monkeypatch.setattr("k2deploy.runtime.backends.native_decode.PAGE_SIZE", 32)
+    monkeypatch.setattr("k2deploy.runtime.backends.native.decoder.PAGE_SIZE", 32)
     with pytest.raises(NativeUnavailable, match="does not match this runtime: page 64 \\(here 32\\)"):
         NativeDecoder(load_manifest(tiny_cpu_artifact), 1, 64)
 
@@ -370,18 +370,18 @@ def test_the_build_says_what_is_missing_and_leaves_only_finished_libraries(tmp_p
     monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(NativeUnavailable, match="does not run"):
-        native_build.build()
+        build.build()
     monkeypatch.delenv("CC")
     try:
-        built = native_build.build()
+        built = build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"no C compiler here: {exc}")
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [built.name, built.name + ".sha256"]
-    assert native_build.build() == built  # a second call takes the cached build
+    assert build.build() == built  # a second call takes the cached build
     whole = built.read_bytes()
     for damage in (whole[:len(whole) // 3], b"\x7fELF" + bytes(1000), Path(_ctypes.__file__).read_bytes()):
         built.write_bytes(damage)  # truncated, random, another library: built again, never loaded
-        assert native_build.build() == built and built.read_bytes() == whole
+        assert build.build() == built and built.read_bytes() == whole
 
 
 @pytest.mark.parametrize("writes, message", [("", "exited without writing a library"),
@@ -397,7 +397,7 @@ def test_a_compiler_that_writes_nothing_or_garbage_is_named_and_nothing_is_seale
     monkeypatch.setenv("K2DEPLOY_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(compiler))
     with pytest.raises(NativeUnavailable, match=message) as refused:
-        native_build.build()
+        build.build()
     assert str(compiler) in str(refused.value) and "K2DEPLOY_NATIVE_CACHE" not in str(refused.value)
     assert list((tmp_path / "cache").iterdir()) == []
 
@@ -405,7 +405,7 @@ def test_a_compiler_that_writes_nothing_or_garbage_is_named_and_nothing_is_seale
 def test_a_build_maps_nothing_into_the_process_that_built_it(tmp_path):
     """The build's check that its library loads runs in a child: a process that built the library and later sees
     its cached file rewritten in place (a damaged cache, rebuilt) exits cleanly, not with SIGBUS from a mapping."""
-    child = ("import sys; from pathlib import Path; from k2deploy.runtime.backends import native_build as b\n"
+    child = ("import sys; from pathlib import Path; from k2deploy.runtime.backends.native import build as b\n"
              "try:\n    built = b.build()\nexcept b.NativeUnavailable:\n    sys.exit(0)\n"
              "built.write_bytes(b'damaged')\n")
     env = {**child_env(Path(__file__).parent), "K2DEPLOY_NATIVE_CACHE": str(tmp_path / "cache")}

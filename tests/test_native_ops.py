@@ -19,8 +19,8 @@ pytest.importorskip("torch")
 
 from child_env import child_env  # noqa: E402
 
-from k2deploy.runtime.backends import native_build  # noqa: E402
-from k2deploy.runtime.backends.native_build import NativeUnavailable  # noqa: E402
+from k2deploy.runtime.backends.native import build  # noqa: E402
+from k2deploy.runtime.backends.native.build import NativeUnavailable  # noqa: E402
 
 OPS = ("rms_norm", "rope", "route_one_group", "route_grouped", "linear_int8", "linear_int4", "mlp_dense", "mlp_experts_int8",
        "mlp_experts_int4", "attention_alone", "attention_together", "attention_against_float")
@@ -40,8 +40,8 @@ from k2deploy.plugins.int8 import dequantize_rows, quantize_rows
 from k2deploy.plugins.mla import (ATTENTION_INT8_CACHE, absorbed_int8, mla_attention_int8_cache_eager,
                                   mla_attention_int8_cache_function)
 from k2deploy.plugins.routing import route
-from k2deploy.runtime.backends.native_build import library
-from k2deploy.runtime.backends.native_decode import Dims, Layer, Lin, Pages
+from k2deploy.runtime.backends.native.build import library
+from k2deploy.runtime.backends.native.decoder import Dims, Layer, Lin, Pages
 
 lib = library()
 f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)
@@ -245,14 +245,14 @@ _results: dict[str, dict] = {}
 
 def _level_results(level: str) -> dict:
     if level not in _results:
-        if level not in native_build.host_levels():
+        if level not in build.host_levels():
             pytest.skip(f"this CPU cannot run the {level} build")
         try:
-            native_build.build(level)
+            build.build(level)
         except NativeUnavailable as exc:
             pytest.skip(f"the native step cannot be built here: {exc}")
         env = child_env(Path(__file__).parent)
-        env[native_build.ISA_VARIABLE] = level
+        env[build.ISA_VARIABLE] = level
         run = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         _results[level] = json.loads(run.stdout.strip().splitlines()[-1])
@@ -260,7 +260,7 @@ def _level_results(level: str) -> dict:
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("level", native_build.levels())
+@pytest.mark.parametrize("level", build.levels())
 def test_each_native_op_matches_its_eager_reference(level, op):
     error = _level_results(level)[op]
     assert error <= BOUNDS[op], f"{op} at level {level}: worst relative error {error} (bound {BOUNDS[op]})"

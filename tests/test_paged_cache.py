@@ -39,7 +39,7 @@ def test_a_pool_reuses_the_longest_cached_chain_and_evicts_least_recently_releas
 def models(tiny_artifacts, tiny_cpu_artifact):
     pytest.importorskip("onnxruntime")
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
 
     return {name: OrtModel(load_manifest(path)) for name, path in
             (("fp8", tiny_artifacts["fp8"]), ("bf16", tiny_artifacts["bf16"]), ("cpu", tiny_cpu_artifact))}
@@ -89,7 +89,7 @@ def test_a_choice_of_the_same_prompt_takes_its_full_pages_and_a_copy_of_its_last
     from k2deploy.core.cache_format import CacheFormat
     from k2deploy.core.checkpoint.presets import preset_config
     from k2deploy.runtime.cache.slots import Cache
-    from k2deploy.runtime.backends.host_pages import LatentPages
+    from k2deploy.runtime.backends.onnx.host_pages import LatentPages
 
     store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=2, pages=6)
     cache = Cache(slots=3, max_len=4 * PAGE_SIZE, pages=6, store=store)
@@ -114,7 +114,7 @@ def test_the_graphs_gather_only_the_pages_that_hold_the_past():
     from k2deploy.core.cache_format import CacheFormat
     from k2deploy.core.checkpoint.presets import preset_config
     from k2deploy.runtime.cache.slots import Cache
-    from k2deploy.runtime.backends.host_pages import LatentPages
+    from k2deploy.runtime.backends.onnx.host_pages import LatentPages
 
     store = LatentPages(CacheFormat.for_config(preset_config("tiny"), "int8").description(), layers=1, pages=8)
     cache = Cache(slots=2, max_len=4 * PAGE_SIZE, pages=8, store=store)
@@ -286,7 +286,7 @@ def test_on_small_a_reused_prefix_gives_the_logits_and_greedy_tokens_its_prefill
     from k2deploy.core.manifest import load_manifest
     from k2deploy.export.exporter import ExportOptions, export_artifact
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.engine.sampling import SamplingParams
 
     root = tmp_path_factory.mktemp("small")

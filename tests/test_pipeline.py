@@ -19,12 +19,12 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.core.placement import parse_placement
 from k2deploy.runtime.stages import ray_compiled
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.backends.onnx.model import OrtModel
 from k2deploy.runtime.stages.pipeline import StageRunner
 from k2deploy.runtime.stages.placed import load_placed
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.stages.stage_messages import pack, unpack
-from k2deploy.runtime.backends.thread_pool import core_cpus, share_cpus
+from k2deploy.runtime.backends.onnx.thread_pool import core_cpus, share_cpus
 from k2deploy.runtime.loading import load_backend
 
 pytestmark = pytest.mark.slow  # stages on Ray actors and in processes
@@ -76,8 +76,8 @@ def test_cpu_stages_run_the_native_step_and_give_its_logits_and_tokens_to_the_bi
     """A cpu artifact's stages each run their range of layers through the native step (each maps only its own
     files; the first embeds, the last runs the head), and say so; the hidden state crosses between them as it is,
     so the logits and tokens are the whole native model's to the bit."""
-    from k2deploy.runtime.backends.decode_choice import load_model
-    from k2deploy.runtime.backends.native_build import NativeUnavailable, build
+    from k2deploy.runtime.backends.native.choice import load_model
+    from k2deploy.runtime.backends.native.build import NativeUnavailable, build
 
     try:
         build()
@@ -98,7 +98,7 @@ def test_cpu_stages_run_the_native_step_and_give_its_logits_and_tokens_to_the_bi
 def test_a_stage_that_cannot_run_natively_says_why_or_takes_the_graphs(tiny_artifacts, tiny_cpu_artifact):
     """--decode native on an artifact the native step does not run is a one-line error naming the stage; auto takes
     the graphs and says why; onnx takes the graphs."""
-    from k2deploy.runtime.backends.decode_choice import load_stage
+    from k2deploy.runtime.backends.native.choice import load_stage
 
     fp8 = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(K2Error, match="cannot run stage 0:1"):
@@ -111,17 +111,17 @@ def test_a_stage_that_cannot_run_natively_says_why_or_takes_the_graphs(tiny_arti
 def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compiles_it(tiny_artifacts, ray_address,
                                                                                      monkeypatch):
     from k2deploy.runtime.engine.requests import GenerationRequest
-    from k2deploy.runtime.serve import engine as serve_engine
+    from k2deploy.runtime.serve import engine_thread
     from k2deploy.runtime.serve.metrics import ServerMetrics
 
-    monkeypatch.setattr(serve_engine, "IDLE_WAIT_S", 0.05)
-    monkeypatch.setattr(serve_engine, "IDLE_RELEASE_S", 0.2)
+    monkeypatch.setattr(engine_thread, "IDLE_WAIT_S", 0.05)
+    monkeypatch.setattr(engine_thread, "IDLE_RELEASE_S", 0.2)
     whole, placed = _whole_and_placed(tiny_artifacts["fp8"], PLACEMENTS[1], ray_address)
     stages = placed.model.stages
     held_a_graph = []  # at each release: whether there was a compiled graph to let go of
     release = stages.release
     stages.release = lambda: (held_a_graph.append(stages.graph is not None), release())
-    engine = serve_engine.Engine(placed.model, max_batch=2, max_context=64, max_queue=4, metrics=ServerMetrics())
+    engine = engine_thread.Engine(placed.model, max_batch=2, max_context=64, max_queue=4, metrics=ServerMetrics())
     engine.start()
 
     def released() -> bool:

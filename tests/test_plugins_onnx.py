@@ -27,7 +27,7 @@ from k2deploy.plugins.experts import experts_eager, moe_experts_function  # noqa
 from k2deploy.plugins.mla import mla_attention_eager, mla_attention_function  # noqa: E402
 from k2deploy.plugins.onnx_domain import BODY_OPSET, DOMAIN, VERSION  # noqa: E402
 from k2deploy.plugins.routing import moe_route_function, route  # noqa: E402
-from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
+from k2deploy.runtime.backends.onnx.thread_pool import session_options  # noqa: E402
 
 ATOL, RTOL = 1e-5, 1e-4  # float32 comparisons (routing weights, MLA)
 EXPERTS_REL = 1e-5  # experts: max |ort - eager| <= 1e-5 * max |eager|

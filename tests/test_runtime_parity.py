@@ -8,7 +8,7 @@ pytest.importorskip("torch")
 from k2deploy.export import parity, reference  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.runtime.engine.generator import Generator  # noqa: E402
-from k2deploy.runtime.backends.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.backends.onnx.model import OrtModel  # noqa: E402
 from k2deploy.runtime.engine.sampling import SamplingParams  # noqa: E402
 
 PROMPTS = [

@@ -54,7 +54,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(server, tiny_artifact
     cache page, so no answer reads another's prefix from the cache."""
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.engine.sampling import SamplingParams
 
     client, generator = server.client(), Generator(OrtModel(load_manifest(tiny_artifacts["fp8"])))
@@ -91,7 +91,7 @@ def test_logprobs_are_the_log_softmax_of_the_models_logits(server, tiny_artifact
 def test_penalties_and_logit_bias_steer_the_server_as_generate(server, tiny_artifacts, tokenizer):
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.engine.sampling import SamplingParams
 
     client, prompt = server.client(), "The ferry leaves at dawn and the ferry returns at dusk."
@@ -115,7 +115,7 @@ def test_penalties_and_logit_bias_steer_the_server_as_generate(server, tiny_arti
 def test_greedy_completion_is_what_generate_gives(server, tiny_artifacts, tokenizer):
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.generator import Generator
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.engine.sampling import SamplingParams
 
     prompt = "The harbour town wakes before the sun."

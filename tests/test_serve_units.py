@@ -124,7 +124,7 @@ def test_a_cache_view_runs_some_slots_as_a_cache_of_their_own(tiny_artifacts):
     the logits and cache entries it gives in a cache of its own, and leaves the other pages alone."""
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.batch_forward import BatchForward
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
 
     model = OrtModel(load_manifest(tiny_artifacts["fp8"]), threads=1)
     prompt = [5, 17, 300, 42, 9]

@@ -15,9 +15,9 @@ from cli_runner import run_cli  # noqa: E402
 from scripted import script, write_scripted_checkpoint  # noqa: E402
 
 from k2deploy.core.manifest import load_manifest  # noqa: E402
-from k2deploy.runtime.backends import native_build  # noqa: E402
-from k2deploy.runtime.backends.decode_choice import load_model  # noqa: E402
-from k2deploy.runtime.backends.native_build import NativeUnavailable  # noqa: E402
+from k2deploy.runtime.backends.native import build  # noqa: E402
+from k2deploy.runtime.backends.native.choice import load_model  # noqa: E402
+from k2deploy.runtime.backends.native.build import NativeUnavailable  # noqa: E402
 from k2deploy.runtime.engine.requests import GenerationRequest  # noqa: E402
 from k2deploy.runtime.engine.sampling import SamplingParams  # noqa: E402
 from k2deploy.runtime.engine.speculation import PromptLookup, Speculation  # noqa: E402
@@ -29,7 +29,7 @@ COPY_PROMPT = TEXT + TEXT[:5]  # ends with the text's start: the answer copies t
 
 def _native(artifact):
     try:
-        native_build.build()
+        build.build()
     except NativeUnavailable as exc:
         pytest.skip(f"the native decode step cannot be built here: {exc}")
     return load_model(load_manifest(artifact), decode="native")

@@ -9,7 +9,7 @@ pytest.importorskip("torch")
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.core.sizes import PREFILL_CHUNK  # noqa: E402
 from k2deploy.export import reference  # noqa: E402
-from k2deploy.runtime.backends.ort_backend import OrtModel  # noqa: E402
+from k2deploy.runtime.backends.onnx.model import OrtModel  # noqa: E402
 from k2deploy.runtime.engine.requests import GenerationRequest  # noqa: E402
 from k2deploy.runtime.engine.sampling import SamplingParams  # noqa: E402
 from k2deploy.runtime.engine.scheduler import QueueFull  # noqa: E402

@@ -122,7 +122,7 @@ def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
 def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
     pytest.importorskip("onnxruntime")
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.runtime.backends.ort_backend import OrtModel
+    from k2deploy.runtime.backends.onnx.model import OrtModel
 
     model = load_backend("onnxruntime", load_manifest(tiny_artifacts["fp8"]), provider="cpu", threads=1)
     assert isinstance(model, OrtModel)
@@ -233,7 +233,7 @@ def test_device_views_bind_each_layers_pool_and_the_page_table():
 
 def _device_and_host_pages(layers, pages):
     """DevicePages on FakeCuda and LatentPages of the same pool."""
-    from k2deploy.runtime.backends.host_pages import LatentPages
+    from k2deploy.runtime.backends.onnx.host_pages import LatentPages
     from k2deploy.runtime.backends.tensorrt.device_cache import DevicePages
 
     cuda = FakeCuda()

@@ -16,7 +16,7 @@ from k2deploy.export.tensorrt_graph import (  # noqa: E402
 from k2deploy.core.cache_format import PAGE_SIZE  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.plugins.tensorrt import NAMESPACE, PLUGINS, VERSION  # noqa: E402
-from k2deploy.runtime.backends.thread_pool import session_options  # noqa: E402
+from k2deploy.runtime.backends.onnx.thread_pool import session_options  # noqa: E402
 
 pytestmark = pytest.mark.slow  # TensorRT-target exports
 

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from k2deploy.core.errors import K2Error
-from k2deploy.runtime.backends import thread_pool
+from k2deploy.runtime.backends.onnx import thread_pool
 
 # A fresh process: loads the artifact on a pool of N threads, runs a prefill and a decode step, and says how many
 # threads it held before loading and after running, and the pool size the model reports.
@@ -21,7 +21,7 @@ def held():
 before = held()
 from k2deploy.core.manifest import load_manifest
 from k2deploy.runtime.engine.generator import Generator
-from k2deploy.runtime.backends.ort_backend import OrtModel
+from k2deploy.runtime.backends.onnx.model import OrtModel
 from k2deploy.runtime.engine.sampling import SamplingParams
 
 model = OrtModel(load_manifest(sys.argv[1]), threads=int(sys.argv[2]))

@@ -1,5 +1,5 @@
 """The runtime interface every backend implements, every method its callers use: ONNX Runtime
-(`ort_backend.OrtModel`), the native step (`native_model.NativeModel`), TensorRT (`tensorrt.backend.TrtModel`)
+(`onnx.model.OrtModel`), the native step (`native.model.NativeModel`), TensorRT (`tensorrt.backend.TrtModel`)
 and a pipeline of layer-range stages (`runtime/stages/pipeline.py` `PipelineModel`, in one process or on Ray
 actors). `batch_forward.BatchForward` runs one forward of any of them; the step loop
 (`step_loop.StepLoop`) drives it for generate, score, bench and serve.

@@ -3,6 +3,6 @@
 No torch: ONNX Runtime (or the TensorRT engines, `--backend tensorrt`) runs the artifact,
 Starlette and uvicorn carry the HTTP. The modules: protocol.py (request checking, OpenAI
 response shapes), requests.py (one request's state), scheduler.py (who runs in the next step),
-engine.py (the thread that runs the steps), metrics.py (Prometheus), app.py (the routes),
+engine_thread.py (the thread that runs the steps), metrics.py (Prometheus), app.py (the routes),
 connections.py (a deadline for each request's headers), cli.py (the `serve` command).
 """

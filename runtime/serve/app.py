@@ -31,7 +31,7 @@ from ..text.chat_tools import ToolSteering, calls_made
 from ..text.constrained import Constraint, GrammarError, Grammars, json_grammar, thinking_mode, tools_grammar
 from ..text.answer import answer_stream
 from ..engine.sampling import SamplingParams
-from .engine import Engine
+from .engine_thread import Engine
 from .metrics import ServerMetrics
 from .protocol import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES, SSE_DONE, ApiError, Options, Reply, bad_request, logprobs_object, max_new_tokens, models_list,
                        parse_json, parse_options, sse, usage)

@@ -18,9 +18,9 @@ from ...core.manifest import load_manifest
 from ...core.placement import Stage as Placement
 from ..backends.interface import logits_at
 from ..cache.slots import Cache, SlotView, pages_for
-from ..backends.decode_choice import load_stage
+from ..backends.native.choice import load_stage
 from .stage_messages import pack, unpack
-from ..backends.thread_pool import pin_to_share
+from ..backends.onnx.thread_pool import pin_to_share
 
 
 class StageRunner:
@@ -34,7 +34,7 @@ class StageRunner:
         with several, each keeps to its own share of the host's cores (`thread_pool.pin_to_share`; not with pin
         False, the driver's own stage, whose process does more than this stage) and its pool takes that many threads
         when threads is None. Of the graphs' files the stage hashes only its own (the other stages' are checked for
-        their size). decode: the kernels of a cpu stage (`decode_choice.load_stage`: the native step where it
+        their size). decode: the kernels of a cpu stage (`native.choice.load_stage`: the native step where it
         runs)."""
         self.cpus = pin_to_share(host_index, host_share) if pin else None
         manifest = load_manifest(artifact, hash_graphs=False)  # its graphs hashed as it opens them

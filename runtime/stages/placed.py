@@ -24,7 +24,7 @@ def load_placed(manifest, placement: str | None, ray: str | None, provider: str,
     """The artifact as stages; placement None or "auto": one cpu stage on the cpu provider, else one stage per
     visible GPU, balanced by bytes. compiled False: Ray stages step through tasks, not a compiled graph;
     driver_stage False: every stage on a Ray actor, the first too (`ray_stages.RayStages`). decode: the kernels of
-    each cpu stage (the native step where it runs, `decode_choice.load_stage`)."""
+    each cpu stage (the native step where it runs, `native.choice.load_stage`)."""
     if ray is not None:
         from .ray_stages import connect
 

@@ -20,7 +20,7 @@ disjoint shares of its cores (`StageRunner`, `thread_pool.pin_to_share`), so tha
 turns on a computing stage's core; the driver's stage counts as one of them (its pool takes its share of the
 cores; the driver itself is not pinned: it does more than its stage). `release()` tears the graph down, so that idle
 stages cost nothing; the next step compiles it again (about 0.2 s on 2 CPU cores). The server releases it after
-`serve.engine.IDLE_RELEASE_S` without a request.
+`serve.engine_thread.IDLE_RELEASE_S` without a request.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 /* One decode step (one new token for each of a batch of sequences) of a cpu-target artifact, over its own int8
  * weights.
  *
- * The maths of the artifact's graphs for each sequence, in their order and their quantisation (runtime/backends/native_decode.py
- * says which graph op each part follows): int8 block weights stored as bytes code + 128 with one float32 scale per
- * block of the input dim (MatMulNBits, QMoE), activations quantised per block to int8 (absmax / 127) before each
+ * The maths of the artifact's graphs for each sequence, in their order and their quantisation
+ * (runtime/backends/native/decoder.py says which graph op each part follows): int8 block weights stored as bytes
+ * code + 128 with one float32 scale per block of the input dim (MatMulNBits, QMoE), activations quantised per block to int8 (absmax / 127) before each
  * product, the int8 latent cache read in place (one scale per token), W_UK and W_UV int8 per output column.
  * Every product is written once over runtime/backends/native/isa.h's vectors and its dot4 (four byte products a 32-bit lane),
  * which each instruction set lowers to its own int8 dot-product instructions (AVX-512 VNNI, AVX-VNNI, AVX2, SSSE3,
@@ -37,7 +37,7 @@
 #define MAX(a, b) ((a) > (b) ? (a) : (b))
 #define MIN(a, b) ((a) < (b) ? (a) : (b))
 #define MAX_THREADS 256
-#define MAX_TOP_K 64      /* the routing's limits (runtime/backends/native_decode.py checks a model against them) */
+#define MAX_TOP_K 64      /* the routing's limits (runtime/backends/native/decoder.py checks a model against them) */
 #define MAX_GROUPS 64
 #define MAX_EXPERTS 4096
 #define HEAD_GROUP (VBYTES == 64 ? 16 : 8)  /* heads that share one pass of latent_dots() over a cached row */
@@ -48,7 +48,7 @@
 #define QUIET_DOUBLINGS 7   /* within the last quiet time or soon after (at most 1.28 s) */
 #define LEASE_IDLE_SECONDS 0.05  /* a process that ran no step for this long gives its cores' leases back */
 
-/* ---- the model, as the artifact holds it (core/native_tiles.py) and runtime/backends/native_decode.py maps it ---- */
+/* ---- the model, as the artifact holds it (core/native_tiles.py) and runtime/backends/native/decoder.py maps it ---- */
 
 #define TILE 64  /* weight rows laid out together: one int8 dot instruction per 16 of them, no horizontal sum */
 /* n rows of k inputs in tiles of TILE rows (the last padded with zero rows), s [tiles(n), k / block, TILE] the block
@@ -1948,7 +1948,7 @@ int k2_decode_step(const K2Model *m, int batch, const int *tokens, const int *po
     return k2_decode_layers(m, 0, m->layers, batch, pos, tables, table_len, pages, hidden, scratch);
 }
 
-/* the library's side of its contract with runtime/backends/native_decode.py, read there at load (native_build.CONTRACT
+/* the library's side of its contract with runtime/backends/native/decoder.py, read there at load (build.CONTRACT
    names them in this order): its constants and the sizes of the structs it takes; a Python side whose layout or
    limits differ refuses to run it */
 long k2_contract(int what) {

@@ -9,7 +9,7 @@
  *   interleave4(r, quad)   four rows of bytes -> four vectors whose 32-bit lanes each hold one column of the four
  *                          rows (quad k, lane 4 L + m holds column 16 L + 4 k + m: x86's unpack instructions work
  *                          within 16-byte lanes, and every target here follows that order).
- * The compiler's -march picks one branch (runtime/backends/native_build.py builds one library per level):
+ * The compiler's -march picks one branch (runtime/backends/native/build.py builds one library per level):
  *   avx512-vnni   64-byte vectors, vpdpbusd (w as it is: DOT_BIAS 128, the caller takes 128 x sum(a) off)
  *   avx512bw      64-byte vectors, vpmaddubsw on |w - 128| and a with w's sign, vpmaddwd (DOT_BIAS 0)
  *   avx-vnni      32-byte vectors, vpdpbusd (AVX-VNNI, or AVX512-VNNI's 256-bit form)

@@ -229,7 +229,7 @@ class _Context:
 
             engine.outputs = list(onnx.load_from_string(engine.model_bytes).graph.output)
             # the process's one thread pool, as every session of a k2deploy process
-            from k2deploy.runtime.backends.thread_pool import session_options
+            from k2deploy.runtime.backends.onnx.thread_pool import session_options
 
             engine.session = ort.InferenceSession(engine.model_bytes, session_options(), providers=["CPUExecutionProvider"])
         feeds = {}

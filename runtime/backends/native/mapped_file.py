@@ -1,7 +1,7 @@
-"""A weights file mapped read-only for as long as the native step runs on it (runtime/backends/native_decode.py): the
+"""A weights file mapped read-only for as long as the native step runs on it (runtime/backends/native/decoder.py): the
 artifact holds the step's tiles, so the step reads them in place, from the page cache, and the process holds each
 weight once and copies nothing at start. The file is checked against its manifest record in the one read that
-brings it into the page cache (native_decode.GraphWeights.check: its chunks read and hashed on every core,
+brings it into the page cache (decoder.GraphWeights.check: its chunks read and hashed on every core,
 core/file_hashes.py); the step's first use maps the cached pages.
 
 Read through the mapping instead, every page of a real-size layer was mapped while the rest were still being read,

@@ -9,7 +9,7 @@ weight row is read once and multiplied by every sequence's input, the routed exp
 read once for all that chose them, and each sequence's result is the one it gets alone. A prompt is such a batch
 too, its tokens at consecutive positions over the same pages (each layer stores every entry before its attention,
 which reads positions up to its own), so where the native step runs a model it runs prefill as well and the
-layer graphs are never loaded (runtime/backends/ort_backend.py): every token's result is the one it gets alone, whatever
+layer graphs are never loaded (runtime/backends/onnx/model.py): every token's result is the one it gets alone, whatever
 else is in the batch and however its prompt is chunked. Every other artifact runs through the graphs.
 
 What each part follows (the cpu target's graphs; export/graph_modules.py, plugins/int8.py, plugins/mla.py):
@@ -26,7 +26,7 @@ near-tied expert flips now and then.
 The weights are held once: each data file is mapped and the step reads its tiles (and W_UK and W_UV, four rows
 interleaved) in place (the page cache's pages are the process's weights; only the norms and the router, widened to
 float32, are copies), after one read that hashes each file's chunks on every core against
-the manifest (runtime/backends/mapped_file.py); ONNX Runtime's sessions are not loaded beside them. With too little
+the manifest (runtime/backends/native/mapped_file.py); ONNX Runtime's sessions are not loaded beside them. With too little
 memory for the files, `auto` keeps to the graphs.
 """
 
@@ -38,21 +38,21 @@ from pathlib import Path
 
 import numpy as np
 
-from ...core import native_tiles
-from ...core.cache_format import PAGE_SIZE
-from ...core.config import yarn_mscale
-from ...core.errors import K2Error
-from ...core.host_memory import available_memory
-from ...core.manifest import Manifest
-from ...core.onnx_wire import external_initializers
-from .mapped_file import MappedFile
-from .native_build import NativeUnavailable, contract, library
+from ....core import native_tiles
+from ....core.cache_format import PAGE_SIZE
+from ....core.config import yarn_mscale
+from ....core.errors import K2Error
+from ....core.host_memory import available_memory
+from ....core.manifest import Manifest
+from ....core.onnx_wire import external_initializers
+from ..onnx.thread_pool import core_cpus
+from .build import NativeUnavailable, contract, library
 from .core_leases import core_leases
-from .thread_pool import core_cpus
+from .mapped_file import MappedFile
 
 
 _ptr, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-DECODE_KERNELS = ("auto", "native", "onnx")  # --decode: what runs a model on the cpu (runtime/backends/decode_choice.py)
+DECODE_KERNELS = ("auto", "native", "onnx")  # --decode: what runs a model on the cpu (runtime/backends/native/choice.py)
 STEP_BATCH = 128  # tokens (or head rows) one native call takes at most: bounds its scratch
 TYPES = {1: np.float32, 2: np.uint8, 16: np.uint16}  # TensorProto element type -> how its bits are read
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_pybind11_state import Fail
 
-from ...core.errors import K2Error
+from ....core.errors import K2Error
 from .memory_arena import use_shared_arena
 
 _pool_threads: int | None = None  # the size of this process's pool once it is made
@@ -127,7 +127,7 @@ def yield_to_native_decode() -> int:
 
 def session_options(threads: int | None = None, share: int = 1) -> ort.SessionOptions:
     """Options for a session that runs on the process's one pool (made here on first use) and draws its memory
-    from the process's one arena (runtime/backends/memory_arena.py)."""
+    from the process's one arena (runtime/backends/onnx/memory_arena.py)."""
     process_threads(threads, share)
     options = ort.SessionOptions()
     options.use_per_session_threads = False

@@ -1,5 +1,5 @@
-"""The whole model of a cpu-target artifact through the native step (runtime/backends/native_decode.py): the backend that
-`--decode auto` (where it measured no slower than the graphs, runtime/backends/decode_choice.py) and `--decode native` give.
+"""The whole model of a cpu-target artifact through the native step (runtime/backends/native/decoder.py): the backend that
+`--decode auto` (where it measured no slower than the graphs, runtime/backends/native/choice.py) and `--decode native` give.
 
 Every valid token of a forward, a prompt's or decode's one a row, is one entry of a batch of native steps,
 STEP_BATCH at a time, each with its row's pages: each layer stores every entry before its attention, which reads
@@ -18,11 +18,11 @@ from collections import defaultdict
 
 import numpy as np
 
-from ...core.manifest import Manifest
-from ..cache.slots import CacheView, SlotView
-from .host_pages import HostCache, LatentPagesView
-from .interface import InProcess
-from .native_decode import STEP_BATCH, NativeDecoder
+from ....core.manifest import Manifest
+from ...cache.slots import CacheView, SlotView
+from ..interface import InProcess
+from ..onnx.host_pages import HostCache, LatentPagesView
+from .decoder import STEP_BATCH, NativeDecoder
 
 
 class NativeModel(HostCache, InProcess):

@@ -12,13 +12,13 @@ import numpy as np
 import onnxruntime as ort
 from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
-from ...core.cache_format import PAGE_SIZE, CacheFormat
-from ...core.errors import K2Error
-from ...core.manifest import Manifest
-from ...core.targets import artifact_target
-from ..cache.slots import CacheView, SlotView
+from ....core.cache_format import PAGE_SIZE, CacheFormat
+from ....core.errors import K2Error
+from ....core.manifest import Manifest
+from ....core.targets import artifact_target
+from ...cache.slots import CacheView, SlotView
+from ..interface import InProcess
 from .host_pages import HostCache
-from .interface import InProcess
 from .thread_pool import process_threads, session_options
 
 # ONNX Runtime folds a Transpose feeding a MatMul into a FusedMatMul with transposed batches: measured 5-10%
@@ -89,7 +89,7 @@ class OrtModel(HostCache, InProcess):
                  decode_kernels: str = "onnx", embed: bool = True):
         """threads: the process's intra-op pool (None: the pool there is, else this host's physical cores divided
         by host_share, the number of processes running stages on it). decode_kernels: why the graphs decode, as
-        `generate`, `bench` and `serve` report it (runtime/backends/decode_choice.py says where the native step runs
+        `generate`, `bench` and `serve` report it (runtime/backends/native/choice.py says where the native step runs
         instead). embed False: no embedding session even where the range starts at layer 0 (a layer run alone)."""
         if not manifest.data.get("complete"):
             start, stop = manifest.graphs["layer_range"]

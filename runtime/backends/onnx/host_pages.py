@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from onnxruntime import OrtValue
 
-from ...core.cache_format import PAGE_SIZE, CacheFormat
-from ..cache.slots import Cache, CacheView, EntryStore, pages_for
+from ....core.cache_format import PAGE_SIZE, CacheFormat
+from ...cache.slots import Cache, CacheView, EntryStore, pages_for
 
 
 class LatentPages(EntryStore):

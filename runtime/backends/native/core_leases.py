@@ -18,7 +18,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from ...core.errors import K2Error
+from ....core.errors import K2Error
 
 LEASES_VARIABLE = "K2DEPLOY_CORE_LEASES"
 _opened: dict[Path, int] = {}  # each lease file's descriptor, open for the process's life (the pool holds its number)

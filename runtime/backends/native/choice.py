@@ -1,5 +1,5 @@
-"""Which kernels run a model on ONNX Runtime's provider, the native step (runtime/backends/native_model.py) or the graphs
-(runtime/backends/ort_backend.py): `--decode native` asks for the native step (an error where it cannot run), `--decode
+"""Which kernels run a model on ONNX Runtime's provider, the native step (runtime/backends/native/model.py) or the graphs
+(runtime/backends/onnx/model.py): `--decode native` asks for the native step (an error where it cannot run), `--decode
 onnx` for the graphs, and `--decode auto` (the default) takes the native step where the artifact, provider and
 host allow it and it measured no slower than the graphs here; each model says which and why (`decode_kernels`).
 
@@ -29,16 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ...core.errors import K2Error
-from ...core.host_memory import available_memory
-from ...core.manifest import Manifest
-from ..cache.slots import Cache, pages_for
-from .host_pages import LatentPages
-from .native_build import NativeUnavailable, cache_dir, library
-from .native_decode import DECODE_KERNELS, NativeDecoder
-from .native_model import NativeModel
-from .ort_backend import OrtModel, check_against_graphs
-from .thread_pool import process_threads, yield_to_native_decode
+from ....core.errors import K2Error
+from ....core.host_memory import available_memory
+from ....core.manifest import Manifest
+from ...cache.slots import Cache, pages_for
+from ..onnx.host_pages import LatentPages
+from ..onnx.model import OrtModel, check_against_graphs
+from ..onnx.thread_pool import process_threads, yield_to_native_decode
+from .build import NativeUnavailable, cache_dir, library
+from .decoder import DECODE_KERNELS, NativeDecoder
+from .model import NativeModel
 
 WARMUP, TIMED = 3, 8  # decode positions run untimed, then timed, through each path
 NATIVE_MARGIN = 1.1  # the graphs run a model only where the native step measured over 10% slower

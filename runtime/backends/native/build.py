@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("native") / "decode_step.c"
+SOURCE = Path(__file__).with_name("decode_step.c")
 HEADERS = [SOURCE.with_name("isa.h")]
 # -ffp-contract=off: every float step rounds as written, so a product's result is the same whichever of its forms
 # (one input, or several at once) computes it
