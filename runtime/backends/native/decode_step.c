@@ -361,6 +361,14 @@ static void share(int count, int tid, int threads, int *start, int *stop) {
     *start = (int)((long)count * tid / threads); *stop = (int)((long)count * (tid + 1) / threads);
 }
 
+/* A phase whose pieces cost about the same (a product's tiles, rows) is cut in GRAINS grains a thread, which the
+   threads take first come, first served (next_grain): a thread that is slower for a while (an interrupt, a page
+   fault, the other thread on the core) leaves its grains to the others instead of the step waiting for it. A
+   grain's result does not depend on the thread that takes it. */
+#define GRAINS 4
+
+static int next_grain(atomic_int *next) { return atomic_fetch_add_explicit(next, 1, memory_order_relaxed); }
+
 /* ---- activations and products --------------------------------------------------------------------------- */
 
 typedef struct { int8_t *q; float *s; int32_t *sum; int k, block; } Quant; /* x [k] as int8 blocks */
@@ -681,48 +689,59 @@ typedef struct {            /* products whose rows are taken as one run split ov
     const int *count;         /* [parts] */
     const Quant *const *in;   /* [parts] -> [count[i]] */
     float *const *out;        /* [parts] -> [count[i], lin[i].n] */
+    atomic_int next;          /* the next grain to take (0 at the start) */
 } Products;
 
 #define TILE_READ_COST 2  /* a tile's cost in inputs' products, for reading its weights (products_task) */
 
-/* the first of part's `count` tiles whose owner is thread `owner` or later: tile t's owner is the thread whose share of
-   the products' cost holds the middle of t's cost (TILE_READ_COST + its inputs), `before` the parts' cost ahead */
-static int first_tile_of(int owner, int threads, long long total, long long before, int inputs, int count) {
-    long long cost = TILE_READ_COST + inputs, need = (long long)owner * 2 * total - (2 * before + cost) * threads;
+/* the first of part's `count` tiles whose grain is `grain` or later: tile t's grain is the one whose share of the
+   products' cost holds the middle of t's cost (TILE_READ_COST + its inputs), `before` the parts' cost ahead */
+static int first_tile_of(int grain, int grains, long long total, long long before, int inputs, int count) {
+    long long cost = TILE_READ_COST + inputs, need = (long long)grain * 2 * total - (2 * before + cost) * grains;
     if (need <= 0) return 0;
-    long long t = (need + 2 * cost * threads - 1) / (2 * cost * threads);
+    long long t = (need + 2 * cost * grains - 1) / (2 * cost * grains);
     return t < count ? (int)t : count;
 }
 
-static void products_task(void *arg, int tid, int threads) {
-    const Products *p = arg;
-    long long total = 0, before = 0;  /* split by cost, not by tiles: an expert many inputs chose costs more */
-    for (int i = 0; i < p->parts; i++) total += (long long)tiles(p->lin[i].n) * (TILE_READ_COST + p->count[i]);
+/* tiles lo .. hi - 1 of part i times each of its inputs */
+static void product_tiles(const Products *p, int i, int lo, int hi) {
+    const K2Lin *l = &p->lin[i];
     float y[TILE];
-    for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of tiles streams in order */
-        const K2Lin *l = &p->lin[i];
-        int count = (int)tiles(l->n);
-        int lo = first_tile_of(tid, threads, total, before, p->count[i], count);
-        int hi = first_tile_of(tid + 1, threads, total, before, p->count[i], count);
-        before += (long long)count * (TILE_READ_COST + p->count[i]);
-        for (int t = lo; t < hi; t++) {
-            const uint8_t *w = l->w + (size_t)t * TILE * l->k / (8 / l->bits);
-            const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
-            int rows = MIN(TILE, l->n - t * TILE);
-            int j = 0;
-            if (rows == TILE)  /* inputs INPUT_BLOCK at a time, each weight loaded once for them */
-                for (; j + INPUT_BLOCK <= p->count[i]; j += INPUT_BLOCK) {
-                    float *outs[INPUT_BLOCK];
-                    for (int b = 0; b < INPUT_BLOCK; b++) outs[b] = p->out[i] + (size_t)(j + b) * l->n + (size_t)t * TILE;
-                    if (l->bits == 4) tile_dot_int4_inputs(w, ws, &p->in[i][j], outs);
-                    else tile_dot_inputs(w, ws, &p->in[i][j], outs);
-                }
-            for (; j < p->count[i]; j++) {
-                float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE, *into = rows == TILE ? out : y;
-                if (l->bits == 4) tile_dot_int4(w, ws, &p->in[i][j], into);
-                else tile_dot(w, ws, &p->in[i][j], into);
-                if (into != out) memcpy(out, y, rows * sizeof(float));
+    for (int t = lo; t < hi; t++) {
+        const uint8_t *w = l->w + (size_t)t * TILE * l->k / (8 / l->bits);
+        const float *ws = l->s + (size_t)t * TILE * (l->k / l->block);
+        int rows = MIN(TILE, l->n - t * TILE);
+        int j = 0;
+        if (rows == TILE)  /* inputs INPUT_BLOCK at a time, each weight loaded once for them */
+            for (; j + INPUT_BLOCK <= p->count[i]; j += INPUT_BLOCK) {
+                float *outs[INPUT_BLOCK];
+                for (int b = 0; b < INPUT_BLOCK; b++) outs[b] = p->out[i] + (size_t)(j + b) * l->n + (size_t)t * TILE;
+                if (l->bits == 4) tile_dot_int4_inputs(w, ws, &p->in[i][j], outs);
+                else tile_dot_inputs(w, ws, &p->in[i][j], outs);
             }
+        for (; j < p->count[i]; j++) {
+            float *out = p->out[i] + (size_t)j * l->n + (size_t)t * TILE, *into = rows == TILE ? out : y;
+            if (l->bits == 4) tile_dot_int4(w, ws, &p->in[i][j], into);
+            else tile_dot(w, ws, &p->in[i][j], into);
+            if (into != out) memcpy(out, y, rows * sizeof(float));
+        }
+    }
+}
+
+static void products_task(void *arg, int tid, int threads) {
+    (void)tid;
+    Products *p = arg;
+    long long total = 0;  /* split by cost, not by tiles: an expert many inputs chose costs more */
+    for (int i = 0; i < p->parts; i++) total += (long long)tiles(p->lin[i].n) * (TILE_READ_COST + p->count[i]);
+    int grains = threads * GRAINS;
+    for (int g; (g = next_grain(&p->next)) < grains;) {
+        long long before = 0;
+        for (int i = 0; i < p->parts; i++) {  /* part by part: each matrix's run of tiles streams in order */
+            int count = (int)tiles(p->lin[i].n);
+            int lo = first_tile_of(g, grains, total, before, p->count[i], count);
+            int hi = first_tile_of(g + 1, grains, total, before, p->count[i], count);
+            before += (long long)count * (TILE_READ_COST + p->count[i]);
+            if (lo < hi) product_tiles(p, i, lo, hi);
         }
     }
 }
@@ -771,13 +790,15 @@ static Quant quant(Bump *b, int k, int block) {
 #define ROWS_TO_SHARE 8
 #define EACH_ROW_CALLS 16  /* each_row calls a step makes at most between two resets of its scratch (a layer) */
 typedef void (*RowWork)(void *arg, int row, char *own);
-typedef struct { RowWork fn; void *arg; int rows; char *own; size_t own_bytes; } EachRow;
+typedef struct { RowWork fn; void *arg; int rows; char *own; size_t own_bytes; atomic_int next; } EachRow;
 
 static void each_row_task(void *arg, int tid, int threads) {
-    const EachRow *e = arg;
-    int start, stop;
-    share(e->rows, tid, threads, &start, &stop);
-    for (int row = start; row < stop; row++) e->fn(e->arg, row, e->own + e->own_bytes * tid);
+    EachRow *e = arg;
+    int grains = threads * GRAINS;
+    for (int g, start, stop; (g = next_grain(&e->next)) < grains;) {
+        share(e->rows, g, grains, &start, &stop);
+        for (int row = start; row < stop; row++) e->fn(e->arg, row, e->own + e->own_bytes * tid);
+    }
 }
 
 static void each_row(RowWork fn, void *arg, int rows, size_t own_bytes, Bump *b) {
@@ -1199,6 +1220,7 @@ typedef struct {
     float *out;               /* [n, h, v] */
     int tiles;
     char *own; size_t own_bytes;  /* thread t's own scratch: own + t * own_bytes */
+    atomic_int next;          /* tiles taken so far (next_grain) */
 } Block;
 
 typedef struct {              /* one tile's scratch */
@@ -1497,7 +1519,9 @@ static void block_task(void *arg, int tid, int threads) {
     Block *a = arg;
     Bump b = {a->own + a->own_bytes * tid};
     Tile t = tile_scratch(a->d, &b);
-    for (int tile = tid; tile < a->tiles; tile += threads) {  /* every threads-th tile: later tiles attend further */
+    (void)threads;
+    for (int taken; (taken = next_grain(&a->next)) < a->tiles;) {
+        int tile = a->tiles - 1 - taken;  /* the last first: later tiles attend further, the cheap ones fill in */
         int keys = block_queries(a, tile * ROW_TILE, &t);
         block_scores(a, &t, keys);
         block_probabilities(a, &t, keys);
