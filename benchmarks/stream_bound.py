@@ -10,15 +10,16 @@ token), o_proj; then the dense MLP (gate, up, down) or the router, the shared ex
 random from the layer's e (a new draw every step, so the experts come from memory as in decode); last the head.
 Every weight is one byte; scales, norms and the embedding row are left out (under 2% of the bytes).
 
-Each product y = W x streams W [n, k] once (int8 weights, uint8 activations, int32 sums; AVX-512 VNNI
-`vpdpbusd` where the CPU has it, else the compiler's vectorised loop). Its rows are split into one contiguous run
+Each product y = W x streams W [n, k] once (byte weights, int8 activations, int32 sums), through the native
+step's own dot4 (runtime/backends/native/isa.h, at the level `-march=native` gives: `vpdpbusd` with VNNI,
+`vpmaddubsw` and `vpmaddwd` on AVX2, ...). Its rows are split into one contiguous run
 per thread; the threads spin on a counter between products (no sleeping, no hand-off through a queue), as the
 fastest CPU runtimes do. Nothing else runs: no attention softmax, no routing, no norms, no interpreter. So the
 time is close to what the memory system gives this step's reads at N threads, and the ratio between thread counts
 is how far a decode of this model can scale on this host, whoever's kernels run it.
 
-The C source below is compiled once per run with the system's C compiler (`cc -O3 -march=native -pthread`) into a
-temporary folder. Thread counts run in turn, in --rounds rounds, each a process of its own; the table gives
+The C source below is compiled once per run with the system's C compiler (`cc -O3 -march=native -pthread`, with
+the native step's isa.h) into a temporary folder. Thread counts run in turn, in --rounds rounds, each a process of its own; the table gives
 the median over rounds of each process's median step.
 """
 
@@ -33,6 +34,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k2deploy.runtime.backends.native.build import SOURCE
+
+NATIVE_SOURCES = SOURCE.parent  # isa.h: the kernel's products are the native step's dot4 at this host's level
+
 # argv: threads steps warmup seed, then the products on stdin, one per line: "rows cols group", where group > 0
 # marks the routed experts of a layer: each step draws `chosen` of the group's `count` matrices (line "E count
 # chosen" opens a group). Prints "median_ms mean_gbps bytes_per_step" of the timed steps.
@@ -45,49 +50,36 @@ KERNEL_C = r"""
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
-#ifdef __AVX512VNNI__
-#include <immintrin.h>
-#endif
+#include "isa.h"  /* the native step's vectors and its dot4, as its products take them */
 
-typedef struct { int rows, cols, group; int8_t *w; } Product;  /* w [rows, cols], 16-row tiles of 4-byte columns */
+typedef struct { int rows, cols, group; uint8_t *w; } Product;  /* w [rows, cols], LANES-row tiles of 4-byte columns */
 typedef struct { int count, chosen, first; } Group;
 
 static Product *products; static int n_products;
 static Group *groups; static int n_groups;
 static int *order; static int n_order;   /* one step's products, experts drawn */
-static uint8_t *x; static int32_t *y; static int threads;
+static int8_t *x; static int32_t *y; static int threads;
 static atomic_int go, arrived;
 
 static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
 
-static void rows_of(const Product *p, int r0, int r1) {
-    for (int r = r0; r < r1; r += 16) {
-        const int8_t *tile = p->w + (size_t)r * p->cols;
-#ifdef __AVX512VNNI__
-        const int32_t *x4 = (const int32_t *)x;
-        __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+static void rows_of(const Product *p, int r0, int r1) {  /* LANES rows a tile, two chains of dot4 */
+    for (int r = r0; r < r1; r += LANES) {
+        const uint8_t *tile = p->w + (size_t)r * p->cols;
+        vi32 a = {0}, b = {0};
         int k = 0;
         for (; k + 1 < p->cols / 4; k += 2) {
-            a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(x4[k]), _mm512_loadu_si512(tile + (size_t)k * 64));
-            b = _mm512_dpbusd_epi32(b, _mm512_set1_epi32(x4[k + 1]), _mm512_loadu_si512(tile + (size_t)k * 64 + 64));
+            a = dot4(a, load_u8(tile + (size_t)k * VBYTES), splat4(x + 4 * k));
+            b = dot4(b, load_u8(tile + (size_t)(k + 1) * VBYTES), splat4(x + 4 * k + 4));
         }
-        for (; k < p->cols / 4; k++)
-            a = _mm512_dpbusd_epi32(a, _mm512_set1_epi32(x4[k]), _mm512_loadu_si512(tile + (size_t)k * 64));
-        _mm512_storeu_si512(y + r, _mm512_add_epi32(a, b));
-#else
-        int32_t acc[16] = {0};
-        for (int k = 0; k < p->cols / 4; k++)
-            for (int i = 0; i < 16; i++)
-                for (int j = 0; j < 4; j++)
-                    acc[i] += (int32_t)x[4 * k + j] * tile[(size_t)k * 64 + 4 * i + j];
-        memcpy(y + r, acc, sizeof acc);
-#endif
+        for (; k < p->cols / 4; k++) a = dot4(a, load_u8(tile + (size_t)k * VBYTES), splat4(x + 4 * k));
+        store_i32(y + r, a + b);
     }
 }
 
 static void share(int tid, const Product *p) {
-    int tiles = p->rows / 16;
-    rows_of(p, tiles * tid / threads * 16, tiles * (tid + 1) / threads * 16);
+    int tiles = p->rows / LANES;
+    rows_of(p, tiles * tid / threads * LANES, tiles * (tid + 1) / threads * LANES);
 }
 
 static void barrier(int *generation) {  /* every thread spins until all have arrived */
@@ -150,15 +142,15 @@ int main(int argc, char **argv) {
     size_t held = 0;
     for (int i = 0; i < n_products; i++) held += ((size_t)products[i].rows * products[i].cols + 63) / 64 * 64;
     /* one region advised to use huge pages, as the runtime's native decode step holds its weights */
-    int8_t *region = mmap(NULL, held + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    uint8_t *region = mmap(NULL, held + (2 << 20), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (region == MAP_FAILED) { fprintf(stderr, "cannot map %zu bytes\n", held); return 2; }
-    region = (int8_t *)(((uintptr_t)region + (2 << 20) - 1) & ~(uintptr_t)((2 << 20) - 1));
+    region = (uint8_t *)(((uintptr_t)region + (2 << 20) - 1) & ~(uintptr_t)((2 << 20) - 1));
     madvise(region, held, MADV_HUGEPAGE);
     for (int i = 0; i < n_products; i++) {
         Product *p = &products[i];
         size_t size = (size_t)p->rows * p->cols;
         p->w = region; region += (size + 63) / 64 * 64;
-        for (size_t j = 0; j < size; j++) p->w[j] = (int8_t)(j * 31 + i);
+        for (size_t j = 0; j < size; j++) p->w[j] = (uint8_t)(j * 31 + i);
         if (p->cols > max_cols) max_cols = p->cols;
         if (p->rows > max_rows) max_rows = p->rows;
     }
@@ -225,8 +217,8 @@ def compile_kernel(folder: Path) -> Path:
         raise SystemExit("stream_bound.py: no C compiler (cc, gcc or clang) on PATH; install one (e.g. `apt install gcc`)")
     source, binary = folder / "kernel.c", folder / "kernel"
     source.write_text(KERNEL_C)
-    built = subprocess.run([compiler, "-O3", "-march=native", "-pthread", str(source), "-o", str(binary)],
-                           capture_output=True, text=True)
+    built = subprocess.run([compiler, "-O3", "-march=native", "-pthread", f"-I{NATIVE_SOURCES}", str(source), "-o",
+                            str(binary)], capture_output=True, text=True)
     if built.returncode != 0:
         raise SystemExit(f"stream_bound.py: the kernel did not compile with {compiler}:\n{built.stderr.strip()[:2000]}")
     return binary

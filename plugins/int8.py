@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from onnx.defs import OpSchema
 from onnxscript.values import Op, Opset
 
+from ..core.cache_format import INT8_ZERO_POINT
 from ..core.quant_blocks import int8_block  # noqa: F401 (export/passes.py and the tests pick blocks by it)
 from .fp8 import E4M3_VALUES
 from .op_spec import BFLOAT16, FLOAT, FLOAT16, INT64, UINT8, OpSpec, tensor
 
-ZERO_POINT = 128  # MatMulNBits' and QMoE's default 8-bit zero point
+ZERO_POINT = INT8_ZERO_POINT  # MatMulNBits' and QMoE's default 8-bit zero point, the int8 cache's and the native step's
 ORT_DOMAIN = "com.microsoft"
 INT8_COMPUTE = 4  # accuracy_level: int8 activations, int8 dot-product kernels
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import onnx
 import torch
 
+from ..core.cache_format import INT8_ZERO_POINT
 from .onnx_domain import Body
 from .op_spec import BOOL, FLOAT, FLOAT16, UINT8, KernelLaunch, OpSpec, Plugin, fixed, is_int, need, tensor
 
@@ -158,10 +159,11 @@ def _times_transposed(b: Body, rows: str, keys: str) -> str:
 
 # -- over an int8 cache read in place (the cpu target) ----------------------------------------------
 
-CODE_ZERO = 128  # the int8 cache, W_UK and W_UV store code q in [-127, 127] as the byte q + 128, and the rows they
+# the int8 cache, W_UK and W_UV store code q in [-127, 127] as the byte q + CODE_ZERO (128), and the rows they
 # meet are quantised to such bytes too: every integer product is uint8 x uint8. ONNX Runtime's uint8 x int8
 # product sums byte pairs in 16 bits on x86 CPUs without VNNI (AVX2, AVX-512 before VNNI) and saturates there
 # (255 x 127 x 2 > 32767: measured off by up to 67,891 in a 512-long sum); uint8 x uint8 is exact on every CPU.
+CODE_ZERO = INT8_ZERO_POINT
 
 
 def absorbed_int8(kv_b_weight: torch.Tensor, heads: int, nope_dim: int, v_dim: int) -> tuple:

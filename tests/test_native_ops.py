@@ -8,6 +8,7 @@ change that breaks one op fails that op's test by name. The whole-layer tests (t
 
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from k2deploy.runtime.backends.native import build  # noqa: E402
 from k2deploy.runtime.backends.native.build import NativeUnavailable  # noqa: E402
 
 OPS = ("rms_norm", "rope", "route_one_group", "route_grouped", "linear_int8", "linear_int4", "mlp_dense", "mlp_experts_int8",
-       "mlp_experts_int4", "attention_alone", "attention_together", "attention_against_float")
+       "mlp_experts_int4", "attention_alone", "attention_together", "attention_against_float", "store_entries")
 
 # argv: nothing; prints {op: worst error} for the level $K2DEPLOY_NATIVE_ISA names
 _CHECK = r"""
@@ -33,7 +34,9 @@ import onnx
 import onnxruntime
 import torch
 from k2deploy.core import native_tiles
+from k2deploy.core.cache_format import CacheFormat
 from k2deploy.core.checkpoint.presets import preset_config
+from k2deploy.export.graph_modules import stored_entries
 from k2deploy.export.rope import Rope
 from k2deploy.plugins.int4 import dequantize_nibbles
 from k2deploy.plugins.int8 import dequantize_rows, quantize_rows
@@ -225,6 +228,27 @@ worst["attention_alone"] = relative(got[0], graph_out)
 worst["attention_together"] = relative(got[1], graph_out) if np.array_equal(got[0], got[1]) else float("inf")
 # and the 8-bit query and probabilities against the float maths (plugins/mla.py's eager attention over the same cache)
 worst["attention_against_float"] = relative(got[0], want.numpy())
+
+# new cache entries: the latent normalised (kv_norm) and quantised per token, the rope key roped, as the graphs store
+# them (export/graph_modules.py stored_entries over the int8 format, export/rope.py)
+c, r, n = config.kv_lora_rank, config.qk_rope_head_dim, 9
+kv, kv_norm = f32(rng.normal(0, 2, (n, c + r))), f32(rng.normal(1, 0.2, c))
+positions = np.array([0, 1, 63, 64, 65, 130, 191, 160, 100], np.int32)
+table = np.array([2, 0, 1], np.int64)
+latent, scale, rope_keys = np.zeros((3, 64, c), np.uint8), np.zeros((3, 64), np.float32), np.zeros((3, 64, r), np.float16)
+dims = Dims(latent=c, rope=r, max_len=192, eps=1e-6, rope_scale=rope.scale)
+layer = Layer(kv_norm=held(kv_norm), frequencies=held(f32(rope.frequencies.numpy())), kv_a=Lin(n=c + r))
+got_kv = kv.copy()
+assert lib.k2_op_store_entries(ctypes.byref(dims), ctypes.byref(layer), ptr(got_kv), n, ptr(positions), ptr(table),
+                               ctypes.byref(Pages(held(latent), held(scale), held(rope_keys)))) == 0
+t = torch.from_numpy(kv[:, :c])
+normed = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * torch.from_numpy(kv_norm)
+roped = rope(torch.from_numpy(kv[:, c:])[None], torch.from_numpy(positions.astype(np.int64))[None])
+codes, rope_want, scale_want = stored_entries(CacheFormat("int8", c, r, c), normed[None], roped)
+rows = table[positions // 64] * 64 + positions % 64
+worst["store_entries"] = max(relative(scale.reshape(-1)[rows], scale_want.reshape(-1).numpy()),
+                             float(np.mean(latent.reshape(-1, c)[rows] != codes[0].numpy())),  # codes that differ
+                             relative(rope_keys.reshape(-1, r)[rows], rope_want[0].numpy()))
 print(json.dumps(worst))
 """
 
@@ -239,6 +263,9 @@ BOUNDS = {  # the worst error each op may show against its reference, relative t
     "attention_alone": 1e-5, "attention_together": 1e-5,
     # what the int8 query and probability bytes lose (the graphs' too): 2.0% of the largest output here
     "attention_against_float": 3e-2,
+    # the scales and rope keys to float rounding, and at most a code in a thousand one off (the norm's sums in another
+    # order can move a value across a rounding edge)
+    "store_entries": 1e-3,
 }
 _results: dict[str, dict] = {}
 
@@ -264,3 +291,20 @@ def _level_results(level: str) -> dict:
 def test_each_native_op_matches_its_eager_reference(level, op):
     error = _level_results(level)[op]
     assert error <= BOUNDS[op], f"{op} at level {level}: worst relative error {error} (bound {BOUNDS[op]})"
+
+
+def test_the_ctypes_mirrors_are_checked_field_by_field_against_the_library(monkeypatch):
+    """Two fields of one type swapped in a mirror (or in the C struct) keep every size: the load names both."""
+    from k2deploy.runtime.backends.native import decoder
+
+    try:
+        built = build.fields(build.library())
+    except NativeUnavailable as exc:
+        pytest.skip(f"the native step cannot be built here: {exc}")
+    assert decoder.layout_differences(built) == []
+    fields = list(decoder.Layer._fields_)
+    at = {name: i for i, (name, _) in enumerate(fields)}
+    fields[at["w_uk"]], fields[at["w_uv"]] = fields[at["w_uv"]], fields[at["w_uk"]]
+    monkeypatch.setitem(decoder.MIRRORS, "K2Layer", type("Layer", (ctypes.Structure,), {"_fields_": fields}))
+    differ = decoder.layout_differences(built)
+    assert [line.split()[0] for line in differ] == ["K2Layer.w_uk", "K2Layer.w_uv"], differ

@@ -24,7 +24,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode_step.c")
-HEADERS = [SOURCE.with_name("isa.h")]
+# the files SOURCE includes: its parts (model.h, pool.c, products.c, ...) and isa.h
+PARTS = sorted(path for path in SOURCE.parent.iterdir() if path.suffix in (".c", ".h") and path != SOURCE)
 # -ffp-contract=off: every float step rounds as written, so a product's result is the same whichever of its forms
 # (one input, or several at once) computes it
 FLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-std=gnu11"]
@@ -50,13 +51,21 @@ ARM_LEVELS = {
 }
 _loaded: dict[str, ctypes.CDLL] = {}
 # what decode_step.c's k2_contract(i) gives, in order: its constants and the sizes of the structs it takes
-CONTRACT = ("page", "tile", "max_top_k", "max_groups", "max_experts", "max_threads", "sizeof_lin", "sizeof_dims",
-            "sizeof_layer", "sizeof_model", "sizeof_pages")
+CONTRACT = ("page", "tile", "max_top_k", "max_groups", "max_experts", "max_threads", "code_zero", "sizeof_lin",
+            "sizeof_dims", "sizeof_layer", "sizeof_model", "sizeof_pages")
 
 
 def contract(lib: ctypes.CDLL) -> dict[str, int]:
     """The library's constants and struct sizes by name (CONTRACT)."""
     return {name: int(lib.k2_contract(i)) for i, name in enumerate(CONTRACT)}
+
+
+def fields(lib: ctypes.CDLL) -> dict[str, int]:
+    """The offsets of the fields of the structs the library takes, by "Struct.field" (k2_field)."""
+    out, name = {}, ctypes.c_char_p()
+    while (at := lib.k2_field(len(out), ctypes.byref(name))) >= 0:
+        out[name.value.decode()] = int(at)
+    return out
 
 
 class NativeUnavailable(Exception):
@@ -146,7 +155,7 @@ def build(isa: str = "native") -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise NativeUnavailable(f"{compiler} does not run ({exc})") from None
-    sources = [SOURCE.read_text(), *(header.read_text() for header in HEADERS)]
+    sources = [SOURCE.read_text(), *(f"{part.name}\n{part.read_text()}" for part in PARTS)]
     key = hashlib.sha256("\0".join([*sources, version, " ".join(FLAGS + march), _cpu_flags()]).encode()).hexdigest()
     target = cache_dir() / f"decode_step-{isa}-{key[:16]}.so"
     if _intact(target):
@@ -205,7 +214,8 @@ def library(isa: str | None = None) -> ctypes.CDLL:
                       "k2_decode_layers": ([pointer, number, number, number, pointer, pointer, number, pointer, pointer,
                                             pointer], number),
                       "k2_logits": ([pointer, number, pointer, pointer, pointer], None),
-                      "k2_contract": ([number], ctypes.c_long), "k2_isa": ([], ctypes.c_char_p)}
+                      "k2_contract": ([number], ctypes.c_long), "k2_field": ([number, pointer], ctypes.c_long),
+                      "k2_isa": ([], ctypes.c_char_p)}
         for name, (arguments, result) in signatures.items():
             try:
                 function = getattr(lib, name)

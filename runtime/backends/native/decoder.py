@@ -39,14 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from ....core import native_tiles
-from ....core.cache_format import PAGE_SIZE
+from ....core.cache_format import INT8_ZERO_POINT, PAGE_SIZE
 from ....core.config import yarn_mscale
 from ....core.errors import K2Error
 from ....core.host_memory import available_memory
 from ....core.manifest import Manifest
 from ....core.onnx_wire import external_initializers
 from ..onnx.thread_pool import core_cpus
-from .build import NativeUnavailable, contract, library
+from .build import NativeUnavailable, contract, fields, library
 from .core_leases import core_leases
 from .mapped_file import MappedFile
 
@@ -82,6 +82,17 @@ class Model(ctypes.Structure):
 
 class Pages(ctypes.Structure):
     _fields_ = [("latent", _ptr), ("scale", _ptr), ("rope", _ptr)]
+
+
+MIRRORS = {"K2Lin": Lin, "K2Dims": Dims, "K2Layer": Layer, "K2Model": Model, "K2Pages": Pages}  # C's struct -> ours
+
+
+def layout_differences(built: dict[str, int]) -> list[str]:
+    """Where the library's fields ("K2Layer.w_uk" -> offset, build.fields) and the mirrors' differ, by name."""
+    ours = {f"{struct}.{name}": getattr(mirror, name).offset
+            for struct, mirror in MIRRORS.items() for name, _ in mirror._fields_}
+    return [f"{name} at {built.get(name, 'none')} (here {ours.get(name, 'none')})"
+            for name in sorted(set(built) | set(ours)) if built.get(name) != ours.get(name)]
 
 
 def _address(array: np.ndarray) -> int:
@@ -177,10 +188,11 @@ class NativeDecoder:
         self.lib = library()
         self.isa = self.lib.k2_isa().decode()  # the instruction-set level its products were built for
         built = contract(self.lib)
-        ours = {"page": PAGE_SIZE, "tile": native_tiles.TILE, "sizeof_lin": ctypes.sizeof(Lin),
-                "sizeof_dims": ctypes.sizeof(Dims), "sizeof_layer": ctypes.sizeof(Layer),
+        ours = {"page": PAGE_SIZE, "tile": native_tiles.TILE, "code_zero": INT8_ZERO_POINT,
+                "sizeof_lin": ctypes.sizeof(Lin), "sizeof_dims": ctypes.sizeof(Dims), "sizeof_layer": ctypes.sizeof(Layer),
                 "sizeof_model": ctypes.sizeof(Model), "sizeof_pages": ctypes.sizeof(Pages)}
         differ = [f"{name} {built[name]} (here {value})" for name, value in ours.items() if built[name] != value]
+        differ += layout_differences(fields(self.lib))
         if differ:
             raise NativeUnavailable(f"its build does not match this runtime: {', '.join(differ)}; delete "
                                     f"{Path(self.lib._name).parent} to rebuild it")
