@@ -363,7 +363,7 @@ typedef struct {              /* one tile's scratch */
     int *keys;                /* [ROW_TILE] positions each row attends to (0 for a row past the queries) */
     float *k_pe, *rope;       /* [SCORE_POSITIONS, r] positions' rope keys, [SCORE_POSITIONS, ROW_TILE] their scores */
     float *scores;            /* [keys, ROW_TILE]: scores, exponentials, probabilities */
-    float *probability_scale; /* [ROW_TILE] */
+    float *probability_scale, *largest;  /* [ROW_TILE] each row's; its largest score */
     uint8_t *words;           /* [keys / 4, ROW_TILE, 4] probability bytes, four positions a row (interleave4) */
     int8_t *quads;            /* [PAGE / 4, 4, VBYTES] a page's codes - 128 for a run of VBYTES columns */
     int32_t *values;          /* [ROW_TILE, c] value sums, columns at value_slot */
@@ -382,7 +382,7 @@ static Tile tile_scratch(const K2Dims *d, Bump *b) {
     t.sum = take(b, ROW_TILE * 4); t.keys = take(b, ROW_TILE * 4);
     t.k_pe = take(b, (size_t)SCORE_POSITIONS * d->rope * 4); t.rope = take(b, (size_t)SCORE_POSITIONS * ROW_TILE * 4);
     t.scores = take(b, (size_t)d->max_len * ROW_TILE * 4);
-    t.probability_scale = take(b, ROW_TILE * 4);
+    t.probability_scale = take(b, ROW_TILE * 4); t.largest = take(b, ROW_TILE * 4);
     t.words = take(b, ((size_t)d->max_len + 3) / 4 * ROW_TILE * 4);
     t.quads = take(b, (size_t)PAGE * VBYTES);
     t.values = take(b, (size_t)ROW_TILE * c * 4);
@@ -457,17 +457,22 @@ static inline __attribute__((always_inline)) void tile_rope_scores(const float *
 }
 
 /* scores [keys, ROW_TILE]: each row's score of each position it attends to, as scores_task gives it (the integer
-   latent product times the two scales, plus the rope product, times the softmax scale) */
+   latent product times the two scales, plus the rope product, times the softmax scale); largest [ROW_TILE] the
+   largest of each row's */
 static void block_scores(const Block *a, Tile *t, int keys) {
     const K2Dims *d = a->d;
     int c = d->latent;
+    for (int rr = 0; rr < ROW_TILE; rr++) t->largest[rr] = -INFINITY;
     for (int t0 = 0; t0 < keys; t0 += SCORE_POSITIONS) {
         int count = MIN(SCORE_POSITIONS, keys - t0);
         const uint8_t *row[SCORE_POSITIONS];
         for (int p = 0; p < SCORE_POSITIONS; p++)
             row[p] = a->pages->latent + cache_row_of(a->table, t0 + MIN(p, count - 1)) * c;
-        for (int p = t0 + SCORE_POSITIONS; p < MIN(t0 + 2 * SCORE_POSITIONS, keys); p++)  /* the next group's rows */
-            for (int at = 0; at < c; at += 64) __builtin_prefetch(a->pages->latent + cache_row_of(a->table, p) * c + at);
+        for (int p = t0 + SCORE_POSITIONS; p < MIN(t0 + 2 * SCORE_POSITIONS, keys); p++) {  /* the next group's rows */
+            size_t next = cache_row_of(a->table, p);
+            for (int at = 0; at < c; at += 64) __builtin_prefetch(a->pages->latent + next * c + at);
+            for (int at = 0; at < d->rope * 2; at += 64) __builtin_prefetch((const char *)(a->pages->rope + next * d->rope) + at);
+        }
         vi32 acc[SCORE_POSITIONS][ROW_VECTORS];
         for (int p = 0; p < SCORE_POSITIONS; p++)
             for (int v = 0; v < ROW_VECTORS; v++) acc[p][v] = (vi32){0};
@@ -492,8 +497,11 @@ static void block_scores(const Block *a, Tile *t, int keys) {
             for (int v = 0; v < ROW_VECTORS; v++) {
                 vi32 sums = acc[p][v] - DOT_BIAS * load_i32(t->sum + LANES * v);
                 vf32 latent_score = __builtin_convertvector(sums, vf32) * load_f32(t->scale + LANES * v) * token_scale;
-                store_f32(s + LANES * v, (latent_score + load_f32(t->rope + (size_t)p * ROW_TILE + LANES * v)) *
-                                         d->softmax_scale);
+                vf32 score = (latent_score + load_f32(t->rope + (size_t)p * ROW_TILE + LANES * v)) * d->softmax_scale;
+                store_f32(s + LANES * v, score);
+                vf32 largest = load_f32(t->largest + LANES * v);  /* MAX(largest, score) over the row's positions */
+                vi32 take = (splat_i32(t0 + p) < load_i32(t->keys + LANES * v)) & ~(largest > score);
+                store_f32(t->largest + LANES * v, (vf32)pick(take, (vi32)score, (vi32)largest));
             }
         }
     }
@@ -505,14 +513,9 @@ static void block_probabilities(const Block *a, Tile *t, int keys) {
     vf32 largest[ROW_VECTORS], total[ROW_VECTORS], peak[ROW_VECTORS];
     vi32 row_keys[ROW_VECTORS];
     for (int v = 0; v < ROW_VECTORS; v++) {
-        largest[v] = (vf32){0} - INFINITY; total[v] = (vf32){0}; peak[v] = (vf32){0};
+        largest[v] = load_f32(t->largest + LANES * v); total[v] = (vf32){0}; peak[v] = (vf32){0};
         row_keys[v] = load_i32(t->keys + LANES * v);
     }
-    for (int p = 0; p < keys; p++)
-        for (int v = 0; v < ROW_VECTORS; v++) {
-            vf32 s = load_f32(t->scores + (size_t)p * ROW_TILE + LANES * v);
-            largest[v] = (vf32)pick((splat_i32(p) < row_keys[v]) & ~(largest[v] > s), (vi32)s, (vi32)largest[v]);
-        }
     for (int c0 = 0; c0 < keys; c0 += CHUNK) {  /* exp(score - largest), summed a chunk at a time, the chunks in order */
         vf32 chunk[ROW_VECTORS];
         for (int v = 0; v < ROW_VECTORS; v++) chunk[v] = (vf32){0};
