@@ -31,6 +31,7 @@ import numpy as np
 
 from ..core.errors import K2Error
 from ..runtime.backends.onnx.thread_pool import default_threads
+from ..runtime.engine.config import EngineConfig, resolve_engine_config
 from ..core.targets import GPU_PROVIDERS, artifact_target
 from . import bandwidth as bw
 from .baseline import (KINDS, BaselineProcess, current_rss_bytes, peak_rss_bytes, prompts, reset_peak_rss,
@@ -125,16 +126,13 @@ def _resolve_baseline(options: BenchOptions, manifest, notes: list[str]) -> tupl
 class _Ours:
     """The artifact through k2deploy.runtime, run the way `generate` runs it."""
 
-    def __init__(self, manifest, provider: str, threads: int | None, backend: str = "onnxruntime",
-                 placement: str | None = None, ray: str | None = None, cache_tokens: int | None = None,
-                 decode: str = "auto", speculative: str = "auto"):
+    def __init__(self, manifest, config: EngineConfig):
         from ..runtime.loading import load_backend
 
-        self.speculative = speculative
+        self.speculative = config.speculative
         rss = current_rss_bytes()
         started = time.perf_counter()
-        self.model = load_backend(backend, manifest, provider=provider, threads=threads, placement=placement, ray=ray,
-                                  cache_tokens=cache_tokens, decode=decode)
+        self.model = load_backend(manifest, config)
         self.load_seconds = time.perf_counter() - started
         self.weights_rss_bytes = (current_rss_bytes() - rss) if rss is not None else None
         self.vocab = self.model.config.vocab_size
@@ -269,18 +267,18 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
     if not manifest.data.get("complete"):
         start, stop = manifest.graphs["layer_range"]
         raise K2Error(f"{manifest.root} holds only layers {start}:{stop}; export the whole model to benchmark it")
+    engine = resolve_engine_config(manifest, options, max_batch=max(options.batches),
+                                   max_context=max(options.prompt_lens) + options.gen_len)
     notes: list[str] = []
-    on_gpu = options.backend == "tensorrt" or options.provider in GPU_PROVIDERS
+    on_gpu = engine.backend == "tensorrt" or engine.provider in GPU_PROVIDERS
     kind, checkpoint = _resolve_baseline(options, manifest, notes)
-    threads = options.threads or default_threads()  # the baseline's: what our pool will have
+    threads = engine.threads or default_threads()  # the baseline's: what our pool will have
     base = BaselineProcess(kind, checkpoint, threads) if kind else None
     try:
         log(f"loading {manifest.root}" + (f"; the {kind} baseline loads alongside" if base else ""))
-        ours = _Ours(manifest, options.provider, options.threads, options.backend, options.placement, options.ray,
-                     max(options.batches) * (max(options.prompt_lens) + options.gen_len), options.decode,
-                     options.speculative)
+        ours = _Ours(manifest, engine)
         record = getattr(ours.model, "record", None)  # the TensorRT engines' record names their GPU
-        device = describe_device("tensorrt" if options.backend == "tensorrt" else options.provider,
+        device = describe_device("tensorrt" if engine.backend == "tensorrt" else engine.provider,
                                  gpu_name=record["gpu"]["name"] if record else None)
         baseline_info = None
         if base is not None:
@@ -344,11 +342,11 @@ def run_bench(options: BenchOptions, bar=None, log=lambda message: None) -> dict
         "command": options.command,
         "wall_seconds": time.perf_counter() - wall_started,
         "device": device,
-        "provider": options.provider,
-        "backend": options.backend,
+        "provider": engine.provider,
+        "backend": engine.backend,
         "threads": ours.model.threads,
         "decode_kernels": getattr(ours.model, "decode_kernels", None),
-        "speculative": options.speculative,
+        "speculative": engine.speculative,
         "versions": {"k2deploy": _version("k2deploy"), "onnxruntime": _version("onnxruntime"),
                      "numpy": np.__version__, "python": platform.python_version(),
                      **((baseline_info or {}).get("versions") or {})},

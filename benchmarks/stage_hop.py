@@ -82,6 +82,7 @@ def main(argv=None) -> int:
     import ray
 
     from k2deploy.core.manifest import load_manifest
+    from k2deploy.runtime.engine.config import resolve_engine_config
     from k2deploy.runtime.loading import load_backend
     from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.stages.placed import load_placed
@@ -96,8 +97,9 @@ def main(argv=None) -> int:
     runs = {"unplaced": lambda: OrtModel(manifest, threads=args.threads)}
     for count in (int(n) for n in args.stages.split(",")):
         text = even_placement(layers, count)
-        runs[f"{count} stages, one process"] = lambda text=text: load_backend("onnxruntime", manifest, threads=args.threads,
-                                                                             placement=text, cache_tokens=tokens)
+        in_process = resolve_engine_config(manifest, argparse.Namespace(threads=args.threads, placement=text),
+                                           cache_tokens=tokens)
+        runs[f"{count} stages, one process"] = lambda engine=in_process: load_backend(manifest, engine)
         for compiled, driver_stage, how in ((False, True, "Ray tasks"), (True, False, "Ray compiled, all actors"),
                                             (True, True, "Ray compiled")):
             runs[f"{count} stages, {how}"] = lambda text=text, compiled=compiled, driver_stage=driver_stage: load_placed(

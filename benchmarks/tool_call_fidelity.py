@@ -37,6 +37,7 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
 from k2deploy.runtime.text.chat_tools import ToolSteering, calls_made
 from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.engine.config import resolve_engine_config
 from k2deploy.runtime.serve.app import build_app
 from k2deploy.runtime.serve.engine_thread import Engine
 from k2deploy.runtime.serve.metrics import ServerMetrics
@@ -48,11 +49,10 @@ END = "<|im_end|>"
 
 
 @contextmanager
-def served(model, tokenizer):
-    """The OpenAI-compatible server over `model`, in this process -> an `openai` client of it."""
+def served(model, config, tokenizer):
+    """The OpenAI-compatible server over `model` as `config` sizes it, in this process -> an `openai` client of it."""
     metrics = ServerMetrics()
-    engine = Engine(model, max_batch=1, max_context=model.config.max_position_embeddings, max_queue=4,
-                    metrics=metrics)
+    engine = Engine(model, config, metrics)
     with TestClient(build_app(engine, tokenizer, MODEL, metrics)) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
 
@@ -186,9 +186,10 @@ def main(argv=None) -> int:
     if tokenizer is None:
         parser.error(f"{args.artifact}: the artifact has no tokenizer")
     head = ScriptedHead(load_model(manifest, "cpu"))
-    with served(head.model, tokenizer) as client:
+    config = resolve_engine_config(manifest, max_queue=4)  # one request at a time, over the model's whole context
+    with served(head.model, config, tokenizer) as client:
         model = model_run(client, requests, tools, args.temperature, args.seed)
-    with served(head, tokenizer) as client:
+    with served(head, config, tokenizer) as client:
         scripted = scripted_run(client, head, tokenizer, requests, tools)
     result = {"artifact": str(args.artifact), "requests_file": str(args.requests), "model": model,
               "scripted": scripted}

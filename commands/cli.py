@@ -164,13 +164,13 @@ def cmd_export(args: argparse.Namespace) -> None:
 def _load_generator(args: argparse.Namespace, positions: int, manifest=None):
     """The artifact's model on the chosen backend (or placed stages) for one sequence of `positions`."""
     from ..core.manifest import load_manifest
+    from ..runtime.engine.config import resolve_engine_config
     from ..runtime.engine.generator import Generator
     from ..runtime.loading import load_backend
 
     manifest = manifest or load_manifest(args.artifact, hash_graphs=False)  # each graph hashed as it is opened
-    return Generator(load_backend(args.backend, manifest, provider=args.provider, threads=args.threads,
-                                  placement=args.placement, ray=args.ray, cache_tokens=positions, decode=args.decode),
-                     getattr(args, "speculative", "off"))
+    config = resolve_engine_config(manifest, args, cache_tokens=positions)
+    return Generator(load_backend(manifest, config), config.speculative)
 
 
 def _prompt_ids(text: str) -> list[int]:

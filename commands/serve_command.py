@@ -16,9 +16,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.errors import K2Error
-from ..core.host_memory import available_memory
 from ..core.json_files import read_small_text
 from ..runtime.serve.connections import DEFAULT_HEADER_TIMEOUT_S, DEFAULT_MAX_CONNECTIONS
 from ..runtime.serve.protocol import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_REQUEST_BYTES
@@ -131,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise K2Error(f"serving needs the serve extra ({exc.name} is missing): pip install 'k2deploy[serve]'") from None
     from ..core.manifest import load_manifest
     from ..core.tokenizer_files import load_tokenizer
+    from ..runtime.engine.config import resolve_engine_config
     from ..runtime.loading import load_backend
     from ..runtime.serve.connections import with_header_deadline
     from ..runtime.serve.engine_thread import Engine
@@ -139,23 +138,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     artifact = Path(args.artifact)
     manifest = load_manifest(artifact, hash_graphs=False)  # each graph hashed as it is opened, a stage's by the stage
     tokenizer = load_tokenizer(artifact / "tokenizer", manifest.config.vocab_size)  # None: token-id prompts only
-    model_context = manifest.config.max_position_embeddings
-    if args.max_context is not None and args.max_context > model_context:
-        raise K2Error(f"--max-context {args.max_context} is past the model's {model_context} positions; give at most "
-                      f"{model_context}")
-    context = args.max_context or model_context
-    token_bytes = CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer * manifest.config.num_hidden_layers
-    model = load_backend(args.backend, manifest, provider=args.provider, threads=args.threads, placement=args.placement,
-                         ray=args.ray, cache_tokens=args.max_total_tokens or args.max_batch * context, decode=args.decode)
-    available = available_memory()  # the weights are loaded: the default pool takes half of what is left
-    pool_tokens = args.max_total_tokens or max(PAGE_SIZE, min(args.max_batch * context, available // 2 // token_bytes))
-    if pool_tokens * token_bytes > available:
-        raise K2Error(f"--max-total-tokens {pool_tokens} needs {pool_tokens * token_bytes / 2**30:.1f} GiB of cache, "
-                      f"this host has {available / 2**30:.1f} GiB available; ask for {available // token_bytes} "
-                      f"tokens or fewer")
+    config = resolve_engine_config(manifest, args, max_batch=args.max_batch, max_context=args.max_context,
+                                   cache_tokens=args.max_total_tokens, max_queue=args.max_queue,
+                                   prefix_cache=not args.no_prefix_cache)
+    model = load_backend(manifest, config)
     metrics = ServerMetrics()
-    engine = Engine(model, args.max_batch, context, args.max_queue, metrics, pool_tokens, not args.no_prefix_cache,
-                    args.speculative)
+    engine = Engine(model, config, metrics)
     model_name = args.model_name or artifact.resolve().name
     app = build_app(engine, tokenizer, model_name, metrics, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     body_timeout=args.body_timeout,
@@ -166,11 +154,11 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if warning:
         print(f"k2deploy serve: warning: {warning}", file=sys.stderr, flush=True)
     pool = engine.cache.pool
-    print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {args.max_batch}, "
+    print(f"k2deploy serve: {model_name} on http://{_url_host(host)}:{port}/v1 (max batch {config.max_batch}, "
           f"context {engine.context}, cache pool {pool.pages * pool.page_size} tokens in {pool.pages} pages of "
-          f"{pool.page_size}, {pool_tokens * token_bytes / 2**20:.1f} MiB {manifest.kv_cache['format']}, prefix cache "
-          f"{'on' if pool.prefix_cache else 'off'}, "
-          f"{args.provider if args.backend == 'onnxruntime' else args.backend}"
+          f"{pool.page_size}, {engine.pool_tokens * config.cache_token_bytes / 2**20:.1f} MiB "
+          f"{manifest.kv_cache['format']}, prefix cache {'on' if pool.prefix_cache else 'off'}, "
+          f"{config.provider if config.backend == 'onnxruntime' else config.backend}"
           + (f", {model.threads} threads" if model.threads else "")
           + (f", decode {model.decode_kernels}" if getattr(model, "decode_kernels", None) else "") + ")"
           + ("" if tokenizer else "; no tokenizer: token-id prompts to /v1/completions only"), flush=True)

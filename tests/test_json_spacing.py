@@ -23,6 +23,7 @@ from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.core.tokenizer_files import load_tokenizer  # noqa: E402
 from k2deploy.runtime.text.constrained import Grammars, json_grammar  # noqa: E402
 from k2deploy.runtime.backends.onnx.model import OrtModel  # noqa: E402
+from k2deploy.runtime.engine.config import resolve_engine_config  # noqa: E402
 from k2deploy.runtime.serve.app import build_app  # noqa: E402
 from k2deploy.runtime.serve.engine_thread import Engine  # noqa: E402
 from k2deploy.runtime.serve.metrics import ServerMetrics  # noqa: E402
@@ -50,7 +51,7 @@ def served(tiny_cpu_artifact):
     tokenizer = load_tokenizer(tiny_cpu_artifact / "tokenizer", manifest.config.vocab_size)
     model = ScriptedHead(OrtModel(manifest))
     metrics = ServerMetrics()
-    engine = Engine(model, max_batch=1, max_context=512, max_queue=8, metrics=metrics)
+    engine = Engine(model, resolve_engine_config(manifest, max_context=512, max_queue=8), metrics)
     with TestClient(build_app(engine, tokenizer, MODEL, metrics)) as http:
         yield model, tokenizer, openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http)
 

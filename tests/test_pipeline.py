@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import socket
 import time
+from argparse import Namespace
 
 import httpx
 import numpy as np
@@ -25,6 +26,7 @@ from k2deploy.runtime.stages.placed import load_placed
 from k2deploy.runtime.engine.sampling import SamplingParams
 from k2deploy.runtime.stages.stage_messages import pack, unpack
 from k2deploy.runtime.backends.onnx.thread_pool import core_cpus, share_cpus
+from k2deploy.runtime.engine.config import resolve_engine_config
 from k2deploy.runtime.loading import load_backend
 
 pytestmark = pytest.mark.slow  # stages on Ray actors and in processes
@@ -121,7 +123,8 @@ def test_an_idle_server_releases_the_compiled_graph_and_the_next_request_compile
     held_a_graph = []  # at each release: whether there was a compiled graph to let go of
     release = stages.release
     stages.release = lambda: (held_a_graph.append(stages.graph is not None), release())
-    engine = engine_thread.Engine(placed.model, max_batch=2, max_context=64, max_queue=4, metrics=ServerMetrics())
+    config = resolve_engine_config(load_manifest(tiny_artifacts["fp8"]), max_batch=2, max_context=64, max_queue=4)
+    engine = engine_thread.Engine(placed.model, config, ServerMetrics())
     engine.start()
 
     def released() -> bool:
@@ -213,15 +216,17 @@ def test_a_stage_message_gives_back_its_arrays_and_refuses_a_cut_or_padded_one()
 def test_a_placement_that_does_not_fit_says_what_would(tiny_artifacts):
     manifest = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(Exception, match=r"stage 0 \(layers 0:3 on h0/cpu\) needs .* would fit"):
-        load_backend("onnxruntime", manifest, placement="0:3@cpu", cache_tokens=4096 * 10**9)
+        load_backend(manifest, resolve_engine_config(manifest, Namespace(placement="0:3@cpu"),
+                                                     cache_tokens=4096 * 10**9))
 
 
 def test_a_ray_stage_checks_its_own_hosts_memory(tiny_artifacts, ray_address):
     manifest = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(K2Error, match=rf"stage [01] \(layers [01]:[13] on h0/cpu\) needs .* on host "
                                       rf"{socket.gethostname()} offers .*; --max-total-tokens \d+ would fit") as refused:
-        load_backend("onnxruntime", manifest, placement="0:1@cpu,1:3@cpu", ray=ray_address,
-                     cache_tokens=10**12 // manifest.config.num_hidden_layers)
+        placed = Namespace(placement="0:1@cpu,1:3@cpu", ray=ray_address)
+        load_backend(manifest, resolve_engine_config(manifest, placed,
+                                                     cache_tokens=10**12 // manifest.config.num_hidden_layers))
     assert len(str(refused.value).splitlines()) == 1
 
 

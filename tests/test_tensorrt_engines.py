@@ -6,6 +6,7 @@ import json
 import pytest
 
 from k2deploy.core.errors import K2Error
+from k2deploy.runtime.engine.config import resolve_engine_config
 from k2deploy.runtime.loading import load_backend
 from k2deploy.runtime.backends.tensorrt import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
 from k2deploy.export.tensorrt_engines import profile_shapes
@@ -115,8 +116,9 @@ def test_without_tensorrt_build_engines_says_what_to_install(tmp_path):
 def test_without_tensorrt_the_backend_says_what_to_install(tiny_artifacts):
     from k2deploy.core.manifest import load_manifest
 
+    manifest = load_manifest(tiny_artifacts["fp8"])
     with pytest.raises(K2Error, match="pip install tensorrt"):
-        load_backend("tensorrt", load_manifest(tiny_artifacts["fp8"]))
+        load_backend(manifest, resolve_engine_config(manifest, argparse.Namespace(backend="tensorrt")))
 
 
 def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
@@ -124,10 +126,11 @@ def test_the_onnxruntime_backend_is_the_default_one(tiny_artifacts):
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.backends.onnx.model import OrtModel
 
-    model = load_backend("onnxruntime", load_manifest(tiny_artifacts["fp8"]), provider="cpu", threads=1)
+    manifest = load_manifest(tiny_artifacts["fp8"])
+    model = load_backend(manifest, resolve_engine_config(manifest, argparse.Namespace(provider="cpu", threads=1)))
     assert isinstance(model, OrtModel)
     with pytest.raises(K2Error, match="unknown backend"):
-        load_backend("tvm", None)
+        load_backend(manifest, resolve_engine_config(manifest, argparse.Namespace(backend="tvm")))
 
 
 def test_engines_build_and_match_onnxruntime(tiny_artifacts, tmp_path):
@@ -149,8 +152,9 @@ def test_engines_build_and_match_onnxruntime(tiny_artifacts, tmp_path):
     assert set(record["engines"]) == {"embed", "layer_000", "layer_001", "layer_002", "head"}
     manifest = load_manifest(artifact)
     prompt = [1, 5, 9, 200, 7]
-    reference = Generator(load_backend("onnxruntime", manifest)).score(prompt)
-    logits = Generator(load_backend("tensorrt", manifest)).score(prompt)
+    reference = Generator(load_backend(manifest, resolve_engine_config(manifest))).score(prompt)
+    on_tensorrt = resolve_engine_config(manifest, argparse.Namespace(backend="tensorrt"))
+    logits = Generator(load_backend(manifest, on_tensorrt)).score(prompt)
     np.testing.assert_allclose(logits, reference, atol=2e-2)
 
 

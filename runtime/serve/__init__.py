@@ -2,7 +2,7 @@
 
 No torch: ONNX Runtime (or the TensorRT engines, `--backend tensorrt`) runs the artifact,
 Starlette and uvicorn carry the HTTP. The modules: protocol.py (request checking, OpenAI
-response shapes), requests.py (one request's state), scheduler.py (who runs in the next step),
-engine_thread.py (the thread that runs the steps), metrics.py (Prometheus), app.py (the routes),
-connections.py (a deadline for each request's headers), cli.py (the `serve` command).
+response shapes), engine_thread.py (the thread that runs the steps of runtime/engine/, sized by its one
+configuration, runtime/engine/config.py), metrics.py (Prometheus), app.py (the routes), connections.py (a
+deadline for each request's headers); the `serve` command is commands/serve_command.py.
 """

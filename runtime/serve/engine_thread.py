@@ -13,8 +13,10 @@ import logging
 import threading
 import time
 
+from ...core.host_memory import available_memory
 from ..cache.slots import pages_for
 from ..backends.interface import Model
+from ..engine.config import EngineConfig
 from ..engine.requests import GenerationRequest, Update
 from ..engine.step_loop import StepLoop
 from .metrics import ServerMetrics
@@ -27,21 +29,20 @@ log = logging.getLogger("k2deploy.serve")
 
 
 class Engine:
-    """model: any backend of the runtime interface; its cache holds max_batch slots of max_context positions."""
+    """model: any backend of the runtime interface; config: how many requests run and wait, how far one may reach
+    and the cache's page pool, sized here to the memory the host has left (runtime/engine/config.py)."""
 
-    def __init__(self, model: Model, max_batch: int, max_context: int, max_queue: int, metrics: ServerMetrics,
-                 max_total_tokens: int | None = None, prefix_cache: bool = True, speculative: str = "auto"):
-        """max_context: positions one request may reach; max_total_tokens: the cache's page pool (default: every
-        slot at max_context); speculative: auto or off (runtime/engine/speculation.py)."""
+    def __init__(self, model: Model, config: EngineConfig, metrics: ServerMetrics):
         self.model = model
-        self.context = min(model.config.max_position_embeddings, max_context)  # positions one request may reach
-        pages = pages_for(max_total_tokens) if max_total_tokens else None
-        self.loop = StepLoop(model, max_batch, self.context, max_queue, metrics, pages, prefix_cache, speculative)
+        self.context = config.context  # positions one request may reach
+        self.pool_tokens = config.pool_tokens(available_memory())  # measured now, with the weights in
+        self.loop = StepLoop(model, config.max_batch, config.context, config.max_queue, metrics,
+                             pages_for(self.pool_tokens), config.prefix_cache, config.speculative)
         self.cache = self.loop.cache
         self.metrics = metrics
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, name="k2deploy-engine", daemon=True)
-        metrics.slots.set(max_batch)
+        metrics.slots.set(config.max_batch)
         metrics.pages.set(self.cache.pool.pages)
         metrics.cache_tokens.set(self.cache.pool.pages * self.cache.page_size)
         metrics.cache_bytes.set(self.cache.nbytes)
