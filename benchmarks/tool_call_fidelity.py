@@ -2,7 +2,7 @@
 send (benchmarks/agent_requests.json), through the official `openai` client against the server run in this process:
 
     . .venv/bin/activate && python benchmarks/tool_call_fidelity.py ART [--requests FILE] [--temperature T]
-        [--seed S] [--json]
+        [--seed S] [--decode auto|native|onnx] [--json]
 
 (from the repository root; ART: an artifact with a tokenizer that has Kimi K2's tool-call tokens, e.g. the tiny or
 small preset exported with --target cpu). Every request is sent twice, non-streamed and streamed, in two runs:
@@ -37,6 +37,7 @@ from k2deploy.core.manifest import load_manifest
 from k2deploy.core.tokenizer_files import load_tokenizer
 from k2deploy.runtime.text.chat_tools import ToolSteering, calls_made
 from k2deploy.runtime.backends.native.choice import load_model
+from k2deploy.runtime.backends.native.decoder import DECODE_KERNELS
 from k2deploy.runtime.engine.config import resolve_engine_config
 from k2deploy.runtime.serve.app import build_app
 from k2deploy.runtime.serve.engine_thread import Engine
@@ -167,6 +168,8 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=0.6, help="the model run's temperature (default 0.6, "
                                                                        "the verifier's for K2-0905)")
     parser.add_argument("--seed", type=int, default=1, help="the model run's seed (default 1)")
+    parser.add_argument("--decode", choices=DECODE_KERNELS, default="auto",
+                        help="the cpu provider's decode step: native, onnx or auto (default; as generate's --decode)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
     if not (args.artifact / "manifest.json").is_file():
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
     tokenizer = load_tokenizer(args.artifact / "tokenizer", manifest.config.vocab_size)
     if tokenizer is None:
         parser.error(f"{args.artifact}: the artifact has no tokenizer")
-    head = ScriptedHead(load_model(manifest, "cpu"))
+    head = ScriptedHead(load_model(manifest, "cpu", decode=args.decode))
     config = resolve_engine_config(manifest, max_queue=4)  # one request at a time, over the model's whole context
     with served(head.model, config, tokenizer) as client:
         model = model_run(client, requests, tools, args.temperature, args.seed)

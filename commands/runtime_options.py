@@ -29,8 +29,9 @@ def add_runtime_options(parser: argparse.ArgumentParser, threads_help: str = "")
                                                     f"{threads_help} (default: this host's physical cores)")
     parser.add_argument("--decode", choices=DECODE_KERNELS, default="auto",
                         help="how a decode step runs on the cpu provider: native (the C decode step of "
-                             "runtime/native, built once with the system's compiler), onnx (the graphs), auto "
-                             "(default: native where the artifact and host allow it, else the graphs)")
+                             "runtime/backends/native, built once with the system's compiler), onnx (the graphs), "
+                             "auto (default: native where the artifact and host allow it and it measured no slower, "
+                             "else the graphs)")
 
 
 def add_speculative_option(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import openai
 from child_env import blocked, child_env
+from decode_path import named_decode
 
 STARTUP_S = 90
 MODEL = "tiny-k2"
@@ -23,8 +24,8 @@ class Server:
         self.stdout_path, self.stderr_path = workdir / "stdout.txt", workdir / "stderr.txt"
         with open(self.stdout_path, "wb") as out, open(self.stderr_path, "wb") as err:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "k2deploy", "serve", str(artifact), "--port", "0", "--model-name", MODEL,
-                 "--threads", "2", *args], stdout=out, stderr=err,
+                [sys.executable, "-m", "k2deploy", *named_decode(["serve", str(artifact), "--port", "0", "--model-name",
+                                                                   MODEL, "--threads", "2", *args])], stdout=out, stderr=err,
                 env=child_env(blocked(workdir, "torch"), *front))
         self.url = self._wait_until_up()
 

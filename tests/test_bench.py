@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from child_env import blocked, child_env
+from decode_path import named_decode
 
 from k2deploy.bench.compare import load_result, run_compare
 from k2deploy.bench.device import describe_device, nominal_gib, slugify
@@ -27,7 +28,8 @@ FAST = dict(gen_len=3, repeats=3, warmup=1, bandwidth_bytes=8 << 20, bandwidth_r
 
 def bench_cli(*args, env=None) -> subprocess.CompletedProcess:
     """`k2deploy bench ...` as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "k2deploy", "bench", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "k2deploy", *named_decode(["bench", *map(str, args)])],
+                          capture_output=True, text=True,
                           env=env, timeout=300)
 
 

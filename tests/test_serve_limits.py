@@ -15,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from decode_path import named_decode  # noqa: E402
 from serving import MODEL, Server  # noqa: E402
 
 
@@ -45,7 +46,8 @@ def test_request_bodies_over_the_limit_get_413(small_bodies, size, declared, sta
 
 
 def _serve_fails(artifact, *args, env=None):
-    done = subprocess.run([sys.executable, "-m", "k2deploy", "serve", str(artifact), *args], capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "k2deploy", *named_decode(["serve", str(artifact), *args])],
+                          capture_output=True,
                           text=True, timeout=120, env=env)
     return done
 

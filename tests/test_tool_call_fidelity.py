@@ -19,7 +19,7 @@ def test_the_recorded_agent_requests_are_answered_and_intended_calls_come_back_u
     fidelity = importlib.util.module_from_spec(spec)
     sys.modules["tool_call_fidelity"] = fidelity
     spec.loader.exec_module(fidelity)
-    assert fidelity.main([str(tiny_cpu_artifact), "--json"]) == 0
+    assert fidelity.main([str(tiny_cpu_artifact), "--decode", "native", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     recorded = json.loads(fidelity.REQUESTS.read_text())["requests"]
     assert result["model"]["answered"] == result["model"]["requests"] == 2 * len(recorded)
