@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
 from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
-from k2deploy.export import parity  # noqa: E402
+from k2deploy.bench import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
 from k2deploy.export.passes import untiled, untiled_scales  # noqa: E402
 from k2deploy.runtime.backends.onnx.thread_pool import session_options  # noqa: E402

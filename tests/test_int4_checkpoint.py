@@ -19,7 +19,7 @@ from k2deploy.core.checkpoint.synthetic import write_checkpoint
 from k2deploy.core.config import ModelConfig
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
-from k2deploy.export import parity
+from k2deploy.bench import parity
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.passes import untiled, untiled_scales
 from k2deploy.export.weights import load_transformer
