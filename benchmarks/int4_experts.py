@@ -11,7 +11,7 @@ Three cpu artifacts (written under --work on the first run, reused later):
 Each round runs `k2deploy generate ART --prompt-ids <prompt-len ids> --max-new-tokens <gen-len> --threads T --json`
 once per artifact, in a rotating order, as a child process: its ttft_ms and tpot_ms, and its peak resident set
 (ru_maxrss from wait4, what `/usr/bin/time -v` reports as "Maximum resident set size"). The table gives the median
-over --rounds. Agreement: teacher-forced decoding of the reference's greedy continuation (export/parity.py) for the
+over --rounds. Agreement: teacher-forced decoding of the reference's greedy continuation (bench/parity.py) for the
 two artifacts of the FP8 checkpoint against its eager float32 reference (needs torch).
 """
 
@@ -73,7 +73,7 @@ def agreement(checkpoint: Path, artifacts: dict[str, Path], steps: int) -> dict:
 
     from k2deploy.core.checkpoint.reader import Checkpoint
     from k2deploy.core.manifest import load_manifest
-    from k2deploy.export import parity
+    from k2deploy.bench import parity
     from k2deploy.export.weights import load_transformer
     from k2deploy.runtime.engine.generator import Generator
     from k2deploy.runtime.backends.native.choice import load_model

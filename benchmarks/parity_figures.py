@@ -25,7 +25,8 @@ from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config
 from k2deploy.core.checkpoint.reader import Checkpoint
 from k2deploy.core.checkpoint.synthetic import write_checkpoint
 from k2deploy.core.manifest import load_manifest
-from k2deploy.export import parity, reference
+from k2deploy.bench import parity
+from k2deploy.export import reference
 from k2deploy.export.exporter import ExportOptions, export_artifact
 from k2deploy.export.weights import load_transformer
 from k2deploy.runtime.engine.generator import Generator

@@ -31,7 +31,7 @@ CPU_MIN_AGREEMENTS = {"cpu": 0.9, "int4": 0.8}
 def run_quickstart(out: Path, on_step=lambda row: None) -> dict:
     from ..core.checkpoint.reader import Checkpoint
     from ..export.exporter import ExportOptions, export_artifact
-    from ..export.parity import report
+    from ..bench.parity import report
     from ..export.weights import load_transformer
     from ..core.manifest import load_manifest
     from ..runtime.engine.generator import Generator

@@ -8,10 +8,11 @@ A weight of n rows of codes (int8 codes, a byte each, or 4-bit codes two a byte,
 
 the rows past n zero. One int8 dot instruction then takes four bytes of each of 16 (or 8, 4) consecutive rows in one
 load, the block scales of a tile's rows are one vector, and no sum crosses a register's lanes
-(runtime/backends/native/decode_step.c). The runtime maps these bytes from the artifact and runs on them in place;
-the layer graphs take the plain layout back through a Transpose, Reshape and Slice of their own (`untiled` in
-export/passes.py), which ONNX Runtime folds into its initializers at load. A stack of weights (the routed experts,
-[e, n, row_bytes]) is tiled weight by weight: [e, tiles(n), row_bytes / 4, TILE, 4].
+(runtime/backends/native/decode_step.c). The export lays the weights out so in the cpu target's native_tiles pass
+(export/passes.py); the runtime maps these bytes from the artifact and runs on them in place; the layer graphs take
+the plain layout back through a Transpose, Reshape and Slice of their own (`untiled` in export/tiled_buffers.py),
+which ONNX Runtime folds into its initializers at load. A stack of weights (the routed experts, [e, n, row_bytes]) is
+tiled weight by weight: [e, tiles(n), row_bytes / 4, TILE, 4].
 
 The absorbed W_UK and W_UV, which the step multiplies a column at a time, are held four rows interleaved instead
 (`four_rows`: [h, k, n] -> [h, k / 4, n, 4]), so that one int8 dot instruction takes four rows' products for a vector

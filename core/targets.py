@@ -1,11 +1,13 @@
 """What an artifact is lowered for, and what may run it: one `Target` record per target, read by the exporter
 (weights, cache formats, lowering passes), the runtimes (which backend and provider may run an artifact),
-bench, and every command's choices. Adding a target is one record here and, when it needs a lowering of its
-own, one named pass in `export/passes.py`.
+bench, and every command's choices. A target's lowering is an ordered list of named passes (`export/passes.py`),
+each applied to what the ones before it made. Adding a target is one record here and, when it needs a lowering
+of its own, one named pass in `export/passes.py`.
 
 - cpu:      ONNX Runtime's CPU provider. FP8 linears, the BF16 head and the routed experts are
             re-quantised to int8 blocks (`com.microsoft` MatMulNBits and QMoE, int8 compute):
-            about one byte per weight, read once per step. Lossy; its error is stated in docs/artifact.md.
+            about one byte per weight, read once per step (int8_weights), then laid out in the native
+            step's tiles (native_tiles). Lossy; its error is stated in docs/artifact.md.
 - cuda:     ONNX Runtime's CUDA provider. FP8 stays FP8 (the exact graph).
 - tensorrt: TensorRT engines (`k2deploy build-engines`). FP8 stays FP8; its TensorRT copy of each
             graph turns FP8 casts into Q/DQ and the plugin ops into plugins.
@@ -33,7 +35,7 @@ class Target:
     name: str
     weights: str  # the manifest's description of how the weights are stored
     caches: tuple[str, ...]  # the latent cache formats its graphs may use, the default first
-    passes: tuple[str, ...]  # the lowering passes over the traced graphs, in order (export/passes.py)
+    passes: tuple[str, ...]  # the lowering passes over the traced graphs, applied in this order (export/passes.py)
     runs_on: tuple[tuple[str, str | None], ...]  # (backend, ONNX Runtime provider or None) pairs that may run it
     advice: str  # what to export instead, when asked to run where it cannot
 
@@ -66,7 +68,7 @@ TARGETS = {t.name: t for t in (
                    "MatMulNBits and QMoE with int8 compute; with the int8 cache, kv_b_proj as int8 W_UK and W_UV (one "
                    "scale per output column) for MatMulInteger, else FP8; norms, router and embedding as in the "
                    "checkpoint",
-           caches=("int8", "fp8", "bf16"), passes=("int8_weights",), runs_on=(("onnxruntime", "cpu"),),
+           caches=("int8", "fp8", "bf16"), passes=("int8_weights", "native_tiles"), runs_on=(("onnxruntime", "cpu"),),
            advice="int8 weights for ONNX Runtime's CPU provider"),
     Target("cuda", weights=_EXACT_WEIGHTS, caches=("fp8", "bf16"), passes=(), runs_on=(*_ANY_ORT, ("tensorrt", None)),
            advice="the exact FP8 graph"),

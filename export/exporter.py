@@ -26,6 +26,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..core.cache_format import NAMES as CACHE_NAMES
@@ -33,7 +34,6 @@ from ..core.cache_format import PAGE_SIZE, CacheFormat
 from ..core.checkpoint import layout
 from ..core.checkpoint.identity import changed, checkpoint_identity
 from ..core.checkpoint.reader import Checkpoint
-from ..core import native_tiles
 from ..core.config import ModelConfig
 from ..core.errors import K2Error
 from ..core.placement import format_bytes
@@ -43,7 +43,7 @@ from ..core.targets import default_target, get_target
 from ..core.tokenizer_files import TOKENIZER_FILES, describe_tokenizer, load_tokenizer, tokenizer_kind
 from .. import plugins
 from . import graph_modules as gm
-from .passes import WEIGHT_CHOICES, Lowering, tiled_pieces, weight_layout
+from .passes import WEIGHT_CHOICES, Lowering, Pieces, weight_layout
 from .weight_formats import weight_formats
 from .onnx_graph import TracingError, io_spec, trace, write_graph
 
@@ -212,23 +212,8 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
             except TracingError as error:
                 raise K2Error(f"export stopped, nothing written for {job.stem}: {error}") from None
         model, derived = traces[job.kind]
-
-        def pieces(name: str, job=job, derived=derived):
-            if name.endswith(native_tiles.SUFFIX):
-                plain = name.removesuffix(native_tiles.SUFFIX)
-                return tiled_pieces(plain, pieces(plain), stack=plain.startswith("mlp.experts_"))
-            if name.endswith(native_tiles.FOUR_ROWS):
-                return (native_tiles.four_rows(piece) for piece in pieces(name.removesuffix(native_tiles.FOUR_ROWS)))
-            if name in derived:
-                return [derived[name]]
-            computed = gm.computed_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
-            if computed is None:
-                computed = lowering.pieces(config, checkpoint, job.kind, job.layer, name)
-            if computed is not None:
-                return computed
-            return (chunk for source in gm.initializer_sources(config, job.kind, job.layer, name)
-                    for chunk in checkpoint.stream(source))
-
+        traced = _traced_pieces(config, checkpoint, job, derived)
+        pieces = lowering.pieces(config, checkpoint, job.kind, job.layer, traced)  # the target's passes in turn
         label = job.stem if job.layer is None else f"layer {job.layer + 1}/{config.num_hidden_layers}"
         records = write_graph(model, plugins.onnx_functions(config), graphs_dir, job.stem, pieces,
                               on_bytes=lambda n, label=label: on_progress(n, label))
@@ -243,6 +228,21 @@ def export_artifact(options: ExportOptions, out: Path, force: bool = False,
     write_json_atomically(out / MANIFEST_FILE, manifest)
     journal.path.unlink()
     return manifest
+
+
+def _traced_pieces(config: ModelConfig, checkpoint: Checkpoint, job: GraphJob,
+                   derived: dict[str, np.ndarray]) -> Pieces:
+    """An initializer's bytes as the traced modules hold it, before the target's passes: a derived table, a weight
+    every target computes (export/graph_modules.py `computed_pieces`), else a copy of checkpoint tensors."""
+    def pieces(name: str):
+        if name in derived:
+            return [derived[name]]
+        computed = gm.computed_pieces(config, checkpoint, job.layer, name) if job.layer is not None else None
+        if computed is not None:
+            return computed
+        return (chunk for source in gm.initializer_sources(config, job.kind, job.layer, name)
+                for chunk in checkpoint.stream(source))
+    return pieces
 
 
 def _check_weight_format(config: ModelConfig, options: ExportOptions) -> None:

@@ -6,8 +6,9 @@ copy of checkpoint tensors; `initializer_sources` names those tensors. They are 
 `meta` device for tracing: no weight is in memory while a graph is exported.
 
 The decoder layer is the reference's `model.Block`, built from the faces of the target and the cache
-format: the target's passes (export/passes.py) choose its linears and routed experts, and the cache
-format chooses the attention op (plugins/mla.py `CACHE_ATTENTION`) and the form of kv_b_proj it reads.
+format: the target's passes (export/passes.py) choose its linears and routed experts and whether their int8 and
+4-bit weights are held in the native step's tiles (export/tiled_buffers.py), and the cache format chooses the
+attention op (plugins/mla.py `CACHE_ATTENTION`) and the form of kv_b_proj it reads.
 `ExportLayer` adds only the cache I/O: the past entries gathered from the layer's pages in their stored format
 (`page_table` [b, n] page ids into `<array>_pages` [pages, PAGE_SIZE, width], core/cache_format.py) and the
 new ones quantised into it (`stored_entries`, the faces' `store`). The chunk's own entries are attended as
@@ -38,8 +39,9 @@ from ..core.config import ModelConfig
 from ..plugins import mla
 from ..plugins.fp8 import E4M3_VALUES, dequantize
 from . import model
-from .passes import Lowering, untiled, untiled_scales
+from .passes import Lowering
 from .rope import inverse_frequencies
+from .tiled_buffers import held_rows, hold
 
 
 class Fp8Linear(nn.Module):
@@ -80,10 +82,32 @@ def checkpoint_linear(config: ModelConfig, in_features: int, out_features: int) 
     return Fp8Linear(in_features, out_features, config.fp8_block[0])
 
 
+class Int8Linear(nn.Module):
+    """y = x W^T with W kept as int8 blocks along the input dim (see plugins/int8.py): codes [out, in] and block
+    scales [out, in / block], in the native step's tiles where `tiled` (export/tiled_buffers.py)."""
+
+    def __init__(self, in_features: int, out_features: int, block: int, tiled: bool):
+        super().__init__()
+        self.shape = out_features, in_features // block, block
+        hold(self, "weight_int8", (), out_features, in_features, True, tiled)
+        hold(self, "weight_int8_scale", (), out_features, in_features // block, False, tiled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.shape[0]
+        weight = held_rows(self, "weight_int8", rows).reshape(self.shape)
+        return torch.ops.k2deploy.linear_int8(x, weight, held_rows(self, "weight_int8_scale", rows))
+
+
+def int8_linear(lowering: Lowering, in_features: int, out_features: int) -> Int8Linear | None:
+    """A projection as int8 blocks, where the target's passes re-quantise it; None where they keep it."""
+    block = lowering.linear_block(in_features)
+    return Int8Linear(in_features, out_features, block, lowering.tiled()) if block else None
+
+
 def lowered_linear(lowering: Lowering, config: ModelConfig):
     """(in, out) -> the target's linear: what its passes lower it to, else as in the checkpoint."""
     def make(in_features: int, out_features: int) -> nn.Module:
-        return lowering.linear(in_features, out_features) or checkpoint_linear(config, in_features, out_features)
+        return int8_linear(lowering, in_features, out_features) or checkpoint_linear(config, in_features, out_features)
     return make
 
 
@@ -169,16 +193,16 @@ def _attention_over_widened(attention: model.MLA, q_nope, q_pe, new: tuple, past
 class AbsorbedInt8(nn.Module):
     """kv_b_proj taken apart for absorbed attention, as int8 codes stored as bytes code + 128: W_UK [h, d, c] and
     W_UV^T [h, c, v] with one scale per output column (plugins/mla.py `absorbed_int8`); the int8 cache's attention
-    multiplies them."""
+    multiplies them. Four rows interleaved where the target holds its weights in the native step's layout."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, lowering: Lowering):
         super().__init__()
         h, d, v, c = config.num_attention_heads, config.qk_nope_head_dim, config.v_head_dim, config.kv_lora_rank
         self.shapes = {"w_uk_int8": (h, d, c), "w_uv_int8": (h, c, v)}
-        for name, (heads, rows, cols) in self.shapes.items():  # four rows interleaved for the native step
-            held = (heads, rows // 4, cols, 4) if rows % 4 == 0 else (heads, rows, cols)
-            self.register_buffer(name + (native_tiles.FOUR_ROWS if rows % 4 == 0 else ""),
-                                 torch.empty(held, dtype=torch.uint8))
+        for name, (heads, rows, cols) in self.shapes.items():
+            four = lowering.tiled() and rows % 4 == 0
+            held = (heads, rows // 4, cols, 4) if four else (heads, rows, cols)
+            self.register_buffer(name + (native_tiles.FOUR_ROWS if four else ""), torch.empty(held, dtype=torch.uint8))
         self.register_buffer("w_uk_scale", torch.empty(h, 1, c))
         self.register_buffer("w_uv_scale", torch.empty(h, 1, v))
 
@@ -199,12 +223,13 @@ def _attention_over_int8(attention: model.MLA, q_nope, q_pe, new: tuple, past: S
         attention.softmax_scale)
 
 
-def _checkpoint_kv_b(config: ModelConfig) -> nn.Module:
+def _checkpoint_kv_b(config: ModelConfig, lowering: Lowering) -> nn.Module:
+    """kv_b_proj as the checkpoint stores it, whatever the target: the attention dequantizes it whole."""
     c = config
     return checkpoint_linear(c, c.kv_lora_rank, c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim))
 
 
-# op -> (kv_b_proj's module, the attention face that feeds the op)
+# op -> (kv_b_proj's module of (config, the target's lowering), the attention face that feeds the op)
 ATTENTION_FACES = {mla.mla_attention: (_checkpoint_kv_b, _attention_over_widened),
                    mla.mla_attention_int8_cache: (AbsorbedInt8, _attention_over_int8)}
 
@@ -265,16 +290,16 @@ class ExportMoE(nn.Module):
         group = c.int4.group if c.int4 is not None else lowering.int4_group()
         self.int4_accuracy = lowering.int4_accuracy() if group else None
         self.int8_block = lowering.experts_block(c) if not group else None
-        self.tiled = lowering.native_tiles()  # held in the native step's tiles (core/native_tiles.py)
+        tiled = lowering.tiled()  # held in the native step's tiles (export/tiled_buffers.py)
         self.rows = {"fc1": 2 * f, "fc2": m}
         if group:  # 4-bit codes for QMoE (plugins/int4.py): the checkpoint's, or FP8 re-quantised
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
-                self._codes(f"experts_{fc}_codes", e, rows, cols // 2, group)
-                self._codes(f"experts_{fc}_scales", e, rows, cols // group)
+                hold(self, f"experts_{fc}_codes", (e,), rows, cols // 2, True, tiled)
+                hold(self, f"experts_{fc}_scales", (e,), rows, cols // group, False, tiled)
         elif self.int8_block:
             for fc, (rows, cols) in {"fc1": (2 * f, m), "fc2": (m, f)}.items():
-                self._codes(f"experts_{fc}_weight", e, rows, cols, self.int8_block)
-                self._codes(f"experts_{fc}_scale", e, rows, cols // self.int8_block)
+                hold(self, f"experts_{fc}_weight", (e,), rows, cols, True, tiled)
+                hold(self, f"experts_{fc}_scale", (e,), rows, cols // self.int8_block, False, tiled)
         else:
             for proj, (rows, cols) in {"gate_proj": (f, m), "up_proj": (f, m), "down_proj": (m, f)}.items():
                 self.register_buffer(f"experts_{proj}_weight", torch.empty(e, rows, cols, dtype=torch.uint8))
@@ -283,24 +308,9 @@ class ExportMoE(nn.Module):
         self.shared_experts = (model.MLP(m, f * c.n_shared_experts, lowered_linear(lowering, c))
                                if c.n_shared_experts else None)
 
-    def _codes(self, name: str, e: int, rows: int, width: int, block: int | None = None) -> None:
-        """A stack's codes (block: their block, `width` bytes a row) or block scales ([e, rows, width] float32),
-        in tiles where the target holds them so."""
-        if not self.tiled:
-            self.register_buffer(name, torch.empty(e, rows, width, dtype=torch.uint8 if block else torch.float32))
-        elif block:
-            self.register_buffer(name + native_tiles.SUFFIX, torch.empty(native_tiles.codes_shape((e,), rows, width),
-                                                                         dtype=torch.uint8))
-        else:
-            self.register_buffer(name + native_tiles.SUFFIX, torch.empty(native_tiles.scales_shape((e,), rows, width)))
-
     def _stack(self, fc: str, part: str) -> torch.Tensor:
         """experts_{fc}_{part} [e, rows, width] as the op takes it (untiled where held in tiles)."""
-        name = f"experts_{fc}_{part}"
-        if not self.tiled:
-            return getattr(self, name)
-        held = getattr(self, name + native_tiles.SUFFIX)
-        return (untiled_scales if part.startswith("scale") else untiled)(held, self.rows[fc])
+        return held_rows(self, f"experts_{fc}_{part}", self.rows[fc])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -333,7 +343,8 @@ def export_faces(config: ModelConfig, cache_format: str, target: str, weights: s
     lowering = Lowering(target, weights)
     kv_b, attention = ATTENTION_FACES[mla.CACHE_ATTENTION[cache_format]]
     cache = CacheFormat.for_config(config, cache_format)
-    return model.Faces(attention, lowered_linear(lowering, config), kv_b, lambda c: ExportMoE(c, lowering),
+    return model.Faces(attention, lowered_linear(lowering, config), lambda c: kv_b(c, lowering),
+                       lambda c: ExportMoE(c, lowering),
                        torch.bfloat16, lambda new_latent, new_rope: stored_entries(cache, new_latent, new_rope))
 
 
@@ -394,7 +405,7 @@ class ExportHead(nn.Module):
     def __init__(self, config: ModelConfig, target: str):
         super().__init__()
         self.norm = model.RMSNorm(config.hidden_size, config.rms_norm_eps, torch.bfloat16)
-        lowered = Lowering(target).linear(config.hidden_size, config.vocab_size)
+        lowered = int8_linear(Lowering(target), config.hidden_size, config.vocab_size)
         if lowered is not None:  # e.g. the BF16 head as int8 blocks: half the bytes every step reads
             self.lm_head = lowered
         else:

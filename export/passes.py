@@ -1,30 +1,36 @@
-"""The lowering passes of the exported graphs, by the names `Target.passes` gives them (core/targets.py).
+"""The lowering passes of the exported graphs: a target's lowering is the list of named passes its `Target.passes`
+gives (core/targets.py), applied in that order, each to what the passes before it made.
 
-A pass may act at three points of an export; each hook's default leaves the graph as traced:
-- `linear(in, out)`, `experts_block(config)`: the module a projection or the routed experts become, where
-  the traced modules are built (export/graph_modules.py);
-- `pieces(...)`: an initializer's bytes, when they are not a copy of checkpoint tensors, as the export
-  streams them;
-- `graph_files(directory, stem)`: files derived from a written graph, written beside it and listed in the
-  manifest with it.
+A pass acts at three points of an export. Each hook takes what the passes before it made there (`earlier`) and
+returns what this pass makes of it; the defaults return it unchanged:
+- `linear_block`, `experts_block`, `int4_group`, `int4_accuracy`, `tiled`: how the traced modules hold their
+  weights, where they are built (export/graph_modules.py): the int8 block a projection or the routed experts are
+  re-quantised in (None: as in the checkpoint), the INT4 group of re-quantised experts and the accuracy QMoE
+  multiplies 4-bit experts at, whether the int8 and 4-bit weights are held in the native step's tiles;
+- `pieces(..., name, earlier)`: an initializer's bytes as the export streams them, where `earlier(name)` gives
+  any initializer's bytes as the passes before leave them, starting from the traced modules' own (copies of
+  checkpoint tensors, derived tables, computed weights: export/exporter.py);
+- `graph_files(directory, stem, earlier)`: files derived from a written graph, written beside it and listed in
+  the manifest with it.
 
 Passes:
-- int8_weights (cpu): the dense linears, the head and the routed experts as int8 blocks along the input
-  dim for ONNX Runtime's int8 kernels (plugins/int8.py), re-quantised from the checkpoint's FP8 / BF16 bytes.
-- tensorrt_plugins (tensorrt): the TensorRT copy of every graph, `<stem>.tensorrt.onnx`
-  (export/tensorrt_graph.py), which `k2deploy build-engines` parses.
 - int4_experts (any target but tensorrt, asked by `export --weights int4`): an FP8 checkpoint's routed experts
   re-quantised to INT4 groups for ONNX Runtime's 4-bit QMoE; it runs before the target's passes.
+- int8_weights (cpu): the dense linears, the head and the routed experts as int8 blocks along the input
+  dim for ONNX Runtime's int8 kernels (plugins/int8.py), re-quantised from the checkpoint's FP8 / BF16 bytes.
+- native_tiles (cpu, after int8_weights): the int8 and 4-bit weights the native step reads, laid out as it reads
+  them (core/native_tiles.py): codes and block scales in tiles, the absorbed W_UK and W_UV four rows interleaved.
+- tensorrt_plugins (tensorrt): the TensorRT copy of every graph, `<stem>.tensorrt.onnx`
+  (export/tensorrt_graph.py), which `k2deploy build-engines` parses.
 """
 
 from __future__ import annotations
 
+from functools import partial, reduce
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
-import torch
-from torch import nn
 
 from ..core import int4, native_tiles
 from ..core.quant_blocks import INT4_GROUP
@@ -36,93 +42,88 @@ from ..core.targets import get_target
 from ..plugins import int8
 from ..plugins.int4 import EXACT, INT8_ACTIVATIONS
 
+Pieces = Callable[[str], Iterable[np.ndarray]]  # an initializer's name -> the pieces whose concatenation is its bytes
+
 
 class Pass:
+    """One named pass: its hooks (the module doc) each return `earlier`, what the passes before it made, unchanged."""
+
     name = ""
 
-    def native_tiles(self) -> bool:
-        """Whether int8 and 4-bit weights are held in the native step's tiles (core/native_tiles.py)."""
-        return False
+    def linear_block(self, in_features: int, earlier: int | None) -> int | None:
+        return earlier
 
-    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
-        return None
+    def experts_block(self, config: ModelConfig, earlier: int | None) -> int | None:
+        return earlier
 
-    def experts_block(self, config: ModelConfig) -> int | None:
-        return None
+    def int4_group(self, earlier: int | None) -> int | None:
+        return earlier
 
-    def int4_accuracy(self) -> int | None:
-        """QMoE's accuracy_level for 4-bit experts (plugins/int4.py); None: the exact one."""
-        return None
+    def int4_accuracy(self, earlier: int) -> int:
+        return earlier
 
-    def int4_group(self) -> int | None:
-        """The group an FP8 checkpoint's experts are re-quantised to INT4 in; None: they are not."""
-        return None
+    def tiled(self, earlier: bool) -> bool:
+        return earlier
 
-    def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None,
-               name: str) -> Iterable[np.ndarray] | None:
-        return None
+    def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None, name: str,
+               earlier: Pieces) -> Iterable[np.ndarray]:
+        return earlier(name)
 
-    def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
-        return {}
+    def graph_files(self, directory: Path, stem: str, earlier: dict[str, dict]) -> dict[str, dict]:
+        return earlier
+
+
+# -- int4_experts (export --weights int4) ------------------------------------------------------------------
+
+WEIGHT_CHOICES = ("checkpoint", "int4")  # export --weights: the experts as stored, or FP8 ones re-quantised to INT4
+
+
+class Int4Experts(Pass):
+    """An FP8 checkpoint's routed experts re-quantised to INT4 in groups of INT4_GROUP (core/int4.py `quantize`:
+    symmetric, BF16 scales, as Kimi-K2-Thinking stores them), gate and up interleaved for QMoE, for hosts whose
+    memory or bandwidth binds. Lossy; its error is measured in benchmarks/int4_experts.py and stated in docs/artifact.md.
+    An INT4 checkpoint's own codes are copied, never re-quantised (export/graph_modules.py)."""
+
+    name = "int4_experts"
+
+    def int4_group(self, earlier):
+        return INT4_GROUP
+
+    def pieces(self, config, checkpoint, kind, layer, name, earlier):
+        if config.int4 is not None or not name.startswith("mlp.experts_fc"):
+            return earlier(name)
+        fc, part = name.removeprefix("mlp.experts_").split("_")
+        return (_int4_part(_expert_fc(f"model.layers.{layer}.mlp.experts.{e}.", fc, checkpoint.float32),
+                           part == "scales") for e in range(config.n_routed_experts))
+
+
+def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
+    packed, scale = int4.quantize(weight, INT4_GROUP)
+    return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
 
 
 # -- int8_weights ------------------------------------------------------------------------------------
-
-def untiled(tiled: torch.Tensor, rows: int) -> torch.Tensor:
-    """Codes held in tiles back in rows (core/native_tiles.py): [..., tiles, groups, TILE, 4] -> [..., rows, 4 groups];
-    a Transpose, Reshape and Slice of initializers, which ONNX Runtime folds at load."""
-    *lead, count, groups, tile, four = tiled.shape
-    return tiled.transpose(-3, -2).reshape(*lead, count * tile, groups * four)[..., :rows, :]
-
-
-def untiled_scales(tiled: torch.Tensor, rows: int) -> torch.Tensor:
-    """Block scales held in tiles back in rows: [..., tiles, blocks, TILE] -> [..., rows, blocks]."""
-    *lead, count, blocks, tile = tiled.shape
-    return tiled.transpose(-2, -1).reshape(*lead, count * tile, blocks)[..., :rows, :]
-
-
-class Int8Linear(nn.Module):
-    """y = x W^T with W kept as int8 blocks along the input dim (see plugins/int8.py), in the native step's tiles
-    (core/native_tiles.py): codes [tiles(out), in / 4, TILE, 4], scales [tiles(out), in / block, TILE]."""
-
-    def __init__(self, in_features: int, out_features: int, block: int):
-        super().__init__()
-        self.shape = out_features, in_features // block, block
-        self.register_buffer("weight_int8" + native_tiles.SUFFIX, torch.empty(
-            native_tiles.codes_shape((), out_features, in_features), dtype=torch.uint8))
-        self.register_buffer("weight_int8_scale" + native_tiles.SUFFIX, torch.empty(
-            native_tiles.scales_shape((), out_features, in_features // block)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = self.shape[0]
-        weight = untiled(getattr(self, "weight_int8" + native_tiles.SUFFIX), rows).reshape(self.shape)
-        scale = untiled_scales(getattr(self, "weight_int8_scale" + native_tiles.SUFFIX), rows)
-        return torch.ops.k2deploy.linear_int8(x, weight, scale)
-
 
 ROWS_PER_PIECE = 1024  # rows re-quantised at a time: a real-size linear never sits in memory as float32
 
 
 class Int8Weights(Pass):
     """Every linear whose input dim an int8 block divides, and the routed experts (fc1: gate and up rows
-    interleaved, fc2: down, for QMoE) where a block divides hidden and expert width."""
+    interleaved, fc2: down, for QMoE) where a block divides hidden and expert width, as int8 codes
+    (`<linear>.weight_int8`, `mlp.experts_<fc>_weight`) and their block scales (`..._scale`), in rows."""
 
     name = "int8_weights"
 
-    def native_tiles(self) -> bool:
-        return True
+    def linear_block(self, in_features, earlier):
+        return int8.int8_block(in_features) or earlier
 
-    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
-        block = int8.int8_block(in_features)
-        return Int8Linear(in_features, out_features, block) if block else None
+    def experts_block(self, config, earlier):
+        return int8.int8_block(config.hidden_size, config.moe_intermediate_size) or earlier
 
-    def experts_block(self, config: ModelConfig) -> int | None:
-        return int8.int8_block(config.hidden_size, config.moe_intermediate_size)
-
-    def int4_accuracy(self) -> int | None:
+    def int4_accuracy(self, earlier):
         return INT8_ACTIVATIONS
 
-    def pieces(self, config, checkpoint, kind, layer, name):
+    def pieces(self, config, checkpoint, kind, layer, name, earlier):
         prefix = "" if kind == "head" else f"model.layers.{layer}."
         if name.endswith((".weight_int8", ".weight_int8_scale")):
             module, _, part = name.rpartition(".")
@@ -132,14 +133,14 @@ class Int8Weights(Pass):
             return (_int8_part(_source_rows(config, checkpoint, source, start, start + ROWS_PER_PIECE), block,
                                part.endswith("scale"), source)
                     for start in range(0, rows, ROWS_PER_PIECE))
-        if name.startswith("mlp.experts_fc"):
+        if name.startswith("mlp.experts_fc") and name.endswith(("_weight", "_scale")):
             fc, part = name.removeprefix("mlp.experts_").split("_")
-            block = self.experts_block(config)
+            block = self.experts_block(config, None)
             whole = lambda weight: _source_rows(config, checkpoint, weight, 0, 1 << 62)  # noqa: E731
             return (_int8_part(_expert_fc(f"{prefix}mlp.experts.{e}.", fc, whole), block,
                                part == "scale", f"{prefix}mlp.experts.{e}.{fc}")
                     for e in range(config.n_routed_experts))
-        return None
+        return earlier(name)
 
 
 # A checkpoint weight's rows as the int8 pass reads them: float32 [rows, cols] (BF16 widened), or FP8 as stored,
@@ -188,47 +189,26 @@ def _expert_fc(expert: str, fc: str, whole: Callable[[str], SourceRows]) -> Sour
     return _interleave(gate[0], up[0]), _interleave(gate[1], up[1]), gate[2]
 
 
-# -- tensorrt_plugins --------------------------------------------------------------------------------
+# -- native_tiles -----------------------------------------------------------------------------------
 
-class TensorrtPlugins(Pass):
-    """The TensorRT copy of each graph, beside it (it reads the same .data file)."""
+class NativeTiles(Pass):
+    """The weights the native step reads, laid out as it reads them in place (core/native_tiles.py), from the rows
+    the passes before it give: int8 and 4-bit codes and their block scales in tiles (`<name>_tiles`, a stack of
+    experts tiled expert by expert), the absorbed W_UK and W_UV four rows interleaved (`<name>_four_rows`). The
+    traced modules hold them so (export/tiled_buffers.py)."""
 
-    name = "tensorrt_plugins"
+    name = "native_tiles"
 
-    def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
-        from .tensorrt_graph import write_copy
+    def tiled(self, earlier):
+        return True
 
-        copy = write_copy(directory / f"{stem}.onnx")["path"]
-        return {copy.name: file_record(directory, copy.name)}
-
-
-# -- int4_experts (export --weights int4) ------------------------------------------------------------------
-
-WEIGHT_CHOICES = ("checkpoint", "int4")  # export --weights: the experts as stored, or FP8 ones re-quantised to INT4
-
-
-class Int4Experts(Pass):
-    """An FP8 checkpoint's routed experts re-quantised to INT4 in groups of INT4_GROUP (core/int4.py `quantize`:
-    symmetric, BF16 scales, as Kimi-K2-Thinking stores them), gate and up interleaved for QMoE, for hosts whose
-    memory or bandwidth binds. Lossy; its error is measured in benchmarks/int4_experts.py and stated in docs/artifact.md.
-    An INT4 checkpoint's own codes are copied, never re-quantised (export/graph_modules.py)."""
-
-    name = "int4_experts"
-
-    def int4_group(self) -> int | None:
-        return INT4_GROUP
-
-    def pieces(self, config, checkpoint, kind, layer, name):
-        if config.int4 is not None or not name.startswith("mlp.experts_fc"):
-            return None
-        fc, part = name.removeprefix("mlp.experts_").split("_")
-        return (_int4_part(_expert_fc(f"model.layers.{layer}.mlp.experts.{e}.", fc, checkpoint.float32),
-                           part == "scales") for e in range(config.n_routed_experts))
-
-
-def _int4_part(weight: np.ndarray, scales: bool) -> np.ndarray:
-    packed, scale = int4.quantize(weight, INT4_GROUP)
-    return scale.astype(np.float32) if scales else int4.nibble_bytes(packed)
+    def pieces(self, config, checkpoint, kind, layer, name, earlier):
+        if name.endswith(native_tiles.SUFFIX):
+            rows = name.removesuffix(native_tiles.SUFFIX)
+            return tiled_pieces(rows, earlier(rows), stack=rows.startswith("mlp.experts_"))
+        if name.endswith(native_tiles.FOUR_ROWS):
+            return (native_tiles.four_rows(piece) for piece in earlier(name.removesuffix(native_tiles.FOUR_ROWS)))
+        return earlier(name)
 
 
 def tiled_pieces(name: str, pieces: Iterable[np.ndarray], stack: bool) -> Iterable[np.ndarray]:
@@ -246,41 +226,57 @@ def tiled_pieces(name: str, pieces: Iterable[np.ndarray], stack: bool) -> Iterab
         yield native_tiles.tile_scales(rows) if scales else native_tiles.tile_codes(rows)
 
 
-PASSES = {p.name: p for p in (Int8Weights(), TensorrtPlugins(), Int4Experts())}
+# -- tensorrt_plugins --------------------------------------------------------------------------------
+
+class TensorrtPlugins(Pass):
+    """The TensorRT copy of each graph, beside it (it reads the same .data file)."""
+
+    name = "tensorrt_plugins"
+
+    def graph_files(self, directory, stem, earlier):
+        from .tensorrt_graph import write_copy
+
+        copy = write_copy(directory / f"{stem}.onnx")["path"]
+        return {**earlier, copy.name: file_record(directory, copy.name)}
+
+
+PASSES = {p.name: p for p in (Int4Experts(), Int8Weights(), NativeTiles(), TensorrtPlugins())}
 
 
 def weight_layout(target: str) -> str:
     """The manifest's `weight_layout`: native_tiles where the target's passes hold the int8 and 4-bit weights in the
     native step's tiles (core/native_tiles.py), else rows."""
-    return "native_tiles" if Lowering(target).native_tiles() else "rows"
+    return "native_tiles" if Lowering(target).tiled() else "rows"
 
 
 class Lowering:
-    """A target's passes, in their order, after the one `weights` asks for (WEIGHT_CHOICES), asked as one: the
-    first pass that lowers a module or gives an initializer's bytes decides; every pass's graph files are written."""
+    """A target's passes, in their order, after the one `weights` asks for (WEIGHT_CHOICES): each hook is the
+    passes' hooks applied in turn, each to what the ones before it gave."""
 
     def __init__(self, target: str, weights: str = "checkpoint"):
         chosen = ("int4_experts",) if weights == "int4" else ()
         self.passes = [PASSES[name] for name in (*chosen, *get_target(target).passes)]
 
-    def linear(self, in_features: int, out_features: int) -> nn.Module | None:
-        return next((m for p in self.passes if (m := p.linear(in_features, out_features)) is not None), None)
+    def linear_block(self, in_features: int) -> int | None:
+        return reduce(lambda block, p: p.linear_block(in_features, block), self.passes, None)
 
     def experts_block(self, config: ModelConfig) -> int | None:
-        return next((b for p in self.passes if (b := p.experts_block(config)) is not None), None)
-
-    def int4_accuracy(self) -> int:
-        return next((a for p in self.passes if (a := p.int4_accuracy()) is not None), EXACT)
+        return reduce(lambda block, p: p.experts_block(config, block), self.passes, None)
 
     def int4_group(self) -> int | None:
-        return next((g for p in self.passes if (g := p.int4_group()) is not None), None)
+        return reduce(lambda group, p: p.int4_group(group), self.passes, None)
 
-    def native_tiles(self) -> bool:
-        return any(p.native_tiles() for p in self.passes)
+    def int4_accuracy(self) -> int:
+        return reduce(lambda accuracy, p: p.int4_accuracy(accuracy), self.passes, EXACT)
 
-    def pieces(self, config, checkpoint, kind, layer, name) -> Iterable[np.ndarray] | None:
-        return next((x for p in self.passes if (x := p.pieces(config, checkpoint, kind, layer, name)) is not None),
-                    None)
+    def tiled(self) -> bool:
+        return reduce(lambda tiled, p: p.tiled(tiled), self.passes, False)
+
+    def pieces(self, config: ModelConfig, checkpoint: Checkpoint, kind: str, layer: int | None,
+               traced: Pieces) -> Pieces:
+        """A graph's initializers' bytes: `traced` (the traced modules' own) through every pass in turn."""
+        return reduce(lambda earlier, p: partial(p.pieces, config, checkpoint, kind, layer, earlier=earlier),
+                      self.passes, traced)
 
     def graph_files(self, directory: Path, stem: str) -> dict[str, dict]:
-        return {name: record for p in self.passes for name, record in p.graph_files(directory, stem).items()}
+        return reduce(lambda files, p: p.graph_files(directory, stem, files), self.passes, {})

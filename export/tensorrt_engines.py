@@ -21,8 +21,8 @@ from typing import Callable
 from ..core.cache_format import PAGE_SIZE
 from ..core.errors import K2Error
 from ..core.manifest import load_manifest, sha256_file
-from ..runtime.backends.tensorrt.environment import detect_gpu, parse_gpu_option, require_tensorrt
-from ..runtime.backends.tensorrt.record import check_record, engines_dir, make_record, read_record, write_record
+from ..core.tensorrt.engine_record import check_record, engines_dir, make_record, read_record, write_record
+from ..core.tensorrt.environment import detect_gpu, parse_gpu_option, require_tensorrt
 
 PROFILES = ("prefill", "decode")  # optimisation profile 0 and 1 of every engine
 

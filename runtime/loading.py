@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..core.errors import K2Error
 from ..core.targets import BACKENDS, artifact_target
-from .backends.tensorrt.environment import require_tensorrt
+from ..core.tensorrt.environment import require_tensorrt
 from .engine.config import EngineConfig
 
 

@@ -1,6 +1,7 @@
 """The cpu target: int8 weights for ONNX Runtime's int8 kernels, an int8 latent cache read in place, and
 the error that costs against the FP8 reference (the figures docs/artifact.md states)."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -18,9 +19,9 @@ torch = pytest.importorskip("torch")
 from k2deploy.core.checkpoint.presets import SHARD_BYTES, preset_config  # noqa: E402
 from k2deploy.core.checkpoint.reader import Checkpoint  # noqa: E402
 from k2deploy.core.checkpoint.synthetic import write_checkpoint  # noqa: E402
-from k2deploy.export import parity  # noqa: E402
+from k2deploy.bench import parity  # noqa: E402
 from k2deploy.export.exporter import ExportOptions, export_artifact  # noqa: E402
-from k2deploy.export.passes import untiled, untiled_scales  # noqa: E402
+from k2deploy.export.tiled_buffers import untiled, untiled_scales  # noqa: E402
 from k2deploy.runtime.backends.onnx.thread_pool import session_options  # noqa: E402
 from k2deploy.export.weights import load_transformer  # noqa: E402
 from k2deploy.plugins import int8, mla  # noqa: E402
@@ -71,6 +72,38 @@ def test_the_cpu_artifact_holds_the_int8_weights_in_the_native_steps_tiles(tiny_
     assert np.array_equal(untiled(torch.from_numpy(tiled), rows).numpy(), codes.reshape(rows, -1))
     assert np.array_equal(untiled_scales(torch.from_numpy(tiled_scales), rows).numpy(), scales)
     assert np.array_equal(native_tiles.tile_codes(codes.reshape(rows, -1)), tiled)
+
+
+# sha256 of each graph's data file of the tiny checkpoints' cpu exports (seed 0): what the cpu lowering's passes
+# write, byte for byte. Taken before the tiling became a pass of its own (native_tiles, after int8_weights), they hold
+# since; a lowering change that moves a byte changes them on purpose.
+_EMBED_HEAD = {"embed": "eddd83c4ab217773f826795be3da7606816cf25c1b8c4417411b19d4ebac1815",
+               "head": "b544a75826de5925f8571eccff2927b3332f9dad3ad830d2967334ba7d779525"}
+CPU_DATA_SHA256 = {
+    "fp8": {**_EMBED_HEAD, "layer_000": "2cd36a41cd5c7d31b750df4a986b6a664379c22ee12c6538e43166a22d519db6",
+            "layer_001": "9816a1953dab5d5b0fb1f4d9b5865c3adcb60ac0791109459cc310e5ebd9b6c4",
+            "layer_002": "5c17e64b9ae67c6bc36c15e7e28b1e1fb11f8302bfa53f168d27bef90af2e7a7"},
+    "fp8 --weights int4": {**_EMBED_HEAD,
+                           "layer_000": "2cd36a41cd5c7d31b750df4a986b6a664379c22ee12c6538e43166a22d519db6",
+                           "layer_001": "79743679a98fd492774b1643094b7bb3d7dcb2a13d248ecb2b3bb29dea80898a",
+                           "layer_002": "d8a80a30f890480f43ba1ef61879c221db67a6f7d87ecb1d81c596c43df276ad"},
+    "int4": {**_EMBED_HEAD, "layer_000": "3613f01c2e12808fa912db65bc0e2cb6360e4462ce430f6f536f87abcac594ed",
+             "layer_001": "0878cc67fb19e3c4e4c0d5480f1a66500e87294a9d21f363cc2bf9234c57bd33",
+             "layer_002": "e62ed70cf90ddf5da460c03ffa260f150335b084b553072e98f1432457ffb66d"},
+}
+
+
+def test_the_cpu_lowering_writes_the_same_bytes_as_it_always_has(tiny_checkpoint, tiny_cpu_artifact,
+                                                                  tiny_int4_cpu_artifact, tmp_path):
+    """int8_weights then native_tiles (and int4_experts first, for --weights int4), each applied to what the ones
+    before it made: every graph's data file of the tiny checkpoints' cpu exports is the one pinned above."""
+    int4_experts = tmp_path / "int4-experts"
+    export_artifact(ExportOptions(str(tiny_checkpoint), target="cpu", weights="int4"), int4_experts)
+    for case, artifact in (("fp8", tiny_cpu_artifact), ("fp8 --weights int4", int4_experts),
+                           ("int4", tiny_int4_cpu_artifact)):
+        written = {path.stem: hashlib.sha256(path.read_bytes()).hexdigest()
+                   for path in (artifact / "graphs").glob("*.data")}
+        assert written == CPU_DATA_SHA256[case], case
 
 
 def test_requantised_weights_are_within_half_a_step_of_the_fp8_values(tiny_checkpoint):

@@ -19,9 +19,9 @@ from k2deploy.core.checkpoint.synthetic import write_checkpoint
 from k2deploy.core.config import ModelConfig
 from k2deploy.core.errors import K2Error
 from k2deploy.core.manifest import load_manifest
-from k2deploy.export import parity
+from k2deploy.bench import parity
 from k2deploy.export.exporter import ExportOptions, export_artifact
-from k2deploy.export.passes import untiled, untiled_scales
+from k2deploy.export.tiled_buffers import untiled, untiled_scales
 from k2deploy.export.weights import load_transformer
 from k2deploy.runtime.backends.native.choice import load_model
 from k2deploy.runtime.engine.generator import Generator

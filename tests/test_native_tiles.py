@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from k2deploy.core import native_tiles
-from k2deploy.export.passes import tiled_pieces, untiled, untiled_scales
+from k2deploy.export.passes import tiled_pieces
+from k2deploy.export.tiled_buffers import untiled, untiled_scales
 
 TILE = native_tiles.TILE
 

@@ -5,7 +5,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from k2deploy.export import parity, reference  # noqa: E402
+from k2deploy.bench import parity  # noqa: E402
+from k2deploy.export import reference  # noqa: E402
 from k2deploy.core.manifest import load_manifest  # noqa: E402
 from k2deploy.runtime.engine.generator import Generator  # noqa: E402
 from k2deploy.runtime.backends.onnx.model import OrtModel  # noqa: E402

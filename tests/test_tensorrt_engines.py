@@ -8,11 +8,11 @@ import pytest
 from k2deploy.core.errors import K2Error
 from k2deploy.runtime.engine.config import resolve_engine_config
 from k2deploy.runtime.loading import load_backend
-from k2deploy.runtime.backends.tensorrt import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
+from k2deploy.core.tensorrt.environment import INSTALL_HINT, GpuInfo, require_tensorrt, tensorrt_available
 from k2deploy.export.tensorrt_engines import profile_shapes
 from k2deploy.commands.engines_command import add_build_engines_parser
 from k2deploy.commands.runtime_options import add_runtime_options
-from k2deploy.runtime.backends.tensorrt.record import (
+from k2deploy.core.tensorrt.engine_record import (
     RECORD_FILE, check_record, engines_dir, find_engines, make_record, read_record, write_record)
 
 H200 = GpuInfo("NVIDIA H200", "9.0")

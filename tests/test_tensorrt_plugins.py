@@ -123,7 +123,7 @@ def test_the_plugins_are_the_ops_of_the_onnx_domain():
 
 
 def test_registration_needs_tensorrt():
-    from k2deploy.runtime.backends.tensorrt import require_tensorrt
+    from k2deploy.core.tensorrt.environment import require_tensorrt
     from k2deploy.core.errors import K2Error
 
     try:

@@ -19,12 +19,12 @@ import numpy as np
 from ....core.errors import K2Error
 from ....core.manifest import Manifest
 from ....core.cache_format import PAGE_SIZE
+from ....core.tensorrt.engine_record import check_record, find_engines, read_record
+from ....core.tensorrt.environment import detect_gpu, require_tensorrt
 from ...cache.slots import Cache, SlotView, pages_for
 from ..interface import InProcess
 from .cuda import CudaRuntime, stream_handle
 from .device_cache import DeviceBuffer, DevicePages
-from .environment import detect_gpu, require_tensorrt
-from .record import check_record, find_engines, read_record
 
 
 def _importable(module: str) -> bool:

@@ -15,8 +15,8 @@ import torch
 
 from ..runtime.engine.generator import Generator
 from ..runtime.engine.sampling import SamplingParams
-from . import reference
-from .model import Transformer
+from ..export import reference
+from ..export.model import Transformer
 
 
 def score_difference(model: Transformer, generator: Generator, prompt: list[int]) -> float:

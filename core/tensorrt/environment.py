@@ -8,7 +8,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
-from ....core.errors import K2Error
+from ..errors import K2Error
 
 MIN_TENSORRT = (10, 9)  # the ONNX parser imports Python AOT plugins from 10.9 (quickly deployable ones from 10.6)
 INSTALL_HINT = ("TensorRT is not installed: pip install tensorrt cuda-python (needs an NVIDIA GPU and driver; "

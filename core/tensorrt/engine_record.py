@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ....core.errors import K2Error
-from ....core.json_files import check_version, read_document, write_json_atomically
-from ....core.manifest import sha256_file
+from ..errors import K2Error
+from ..json_files import check_version, read_document, write_json_atomically
+from ..manifest import sha256_file
 from .environment import GpuInfo
 
 ENGINES_DIR = "engines"
