@@ -138,7 +138,7 @@ def test_cpu_lowering_agreement_on_the_int4_checkpoint(int4_reference, int4_arti
     cache. Measured on 64 teacher-forced steps: argmax agreement 0.94, mean |dlogit| 0.084 (the FP8 checkpoint's
     cpu lowering on the same prompt: 0.91 / 0.052); a wrong nibble order or scale gives chance."""
     with torch.no_grad():
-        generator = Generator(load_model(load_manifest(int4_artifacts["cpu"])))  # the native step, where it runs
+        generator = Generator(load_model(load_manifest(int4_artifacts["cpu"]), decode="native"))
         result = parity.teacher_forced(int4_reference, generator, PROMPT, 64)
     assert result["argmax_agreement"] >= 0.9 and result["mean_abs_logit_error"] < 0.15
 
