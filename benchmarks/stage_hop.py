@@ -4,6 +4,7 @@ compiled graph, the latter with every stage on an actor ("all actors") and as th
 stage in the driver, the others on actors), at the same thread count.
 
     python benchmarks/stage_hop.py [--preset small] [--stages 2,3] [--batch 1,4] [--context 128] [--steps 40]
+        [--decode auto|native|onnx]
 
 Per placement and batch, the best of --rounds interleaved rounds: the median decode step (one token per row,
 after a prompt of --context tokens per row), its ratio to the unplaced step, the cost per hop ((placed -
@@ -29,6 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from decode_latency import ensure_artifact, ensure_checkpoint, log  # noqa: E402
+
+from k2deploy.runtime.backends.native.decoder import DECODE_KERNELS  # noqa: E402
 
 
 def even_placement(layers: int, stages: int) -> str:
@@ -74,7 +77,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=5, help="untimed decode steps first (default 5)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over all runs, models kept loaded; each run's best round counts (default 3)")
-    parser.add_argument("--threads", type=int, default=1, help="ONNX Runtime threads, per stage too (default 1)")
+    parser.add_argument("--threads", type=int, default=1, help="threads, per stage too (default 1)")
+    parser.add_argument("--decode", choices=DECODE_KERNELS, default="auto",
+                        help="the cpu provider's decode step, unplaced and in every stage (default auto: as generate's)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/k2deploy-bench"), help="where models are kept")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
@@ -84,7 +89,6 @@ def main(argv=None) -> int:
     from k2deploy.core.manifest import load_manifest
     from k2deploy.runtime.engine.config import resolve_engine_config
     from k2deploy.runtime.loading import load_backend
-    from k2deploy.runtime.backends.onnx.model import OrtModel
     from k2deploy.runtime.stages.placed import load_placed
 
     checkpoint, config = ensure_checkpoint(args.work, args.preset, None, [], 0)
@@ -94,16 +98,18 @@ def main(argv=None) -> int:
     batches = [int(n) for n in args.batch.split(",")]
     tokens = max(batches) * (args.context + args.warmup + args.steps + 1)
     ray.init(include_dashboard=False, namespace="k2deploy", log_to_driver=False)
-    runs = {"unplaced": lambda: OrtModel(manifest, threads=args.threads)}
+    unplaced = resolve_engine_config(manifest, argparse.Namespace(threads=args.threads, decode=args.decode),
+                                     cache_tokens=tokens)
+    runs = {"unplaced": lambda: load_backend(manifest, unplaced)}
     for count in (int(n) for n in args.stages.split(",")):
         text = even_placement(layers, count)
-        in_process = resolve_engine_config(manifest, argparse.Namespace(threads=args.threads, placement=text),
-                                           cache_tokens=tokens)
+        in_process = resolve_engine_config(manifest, argparse.Namespace(threads=args.threads, placement=text,
+                                                                        decode=args.decode), cache_tokens=tokens)
         runs[f"{count} stages, one process"] = lambda engine=in_process: load_backend(manifest, engine)
         for compiled, driver_stage, how in ((False, True, "Ray tasks"), (True, False, "Ray compiled, all actors"),
                                             (True, True, "Ray compiled")):
             runs[f"{count} stages, {how}"] = lambda text=text, compiled=compiled, driver_stage=driver_stage: load_placed(
-                manifest, text, "auto", "cpu", args.threads, tokens, compiled, driver_stage)
+                manifest, text, "auto", "cpu", args.threads, tokens, compiled, driver_stage, decode=args.decode)
     models = {}
     for name, make in runs.items():
         log(f"loading {name}")
