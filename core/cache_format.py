@@ -125,6 +125,15 @@ class CacheFormat:
                           f"{kv.get('page_size')!r}): it was exported by another version of k2deploy; re-export it")
         return fmt
 
+    @classmethod
+    def for_artifact(cls, kv: dict, config: ModelConfig, where: object) -> CacheFormat:
+        """A manifest's kv_cache entry as from_manifest reads it, its dims first checked against its model's (where:
+        the artifact, named in the error)."""
+        if kv.get("latent_dim") != config.kv_lora_rank or kv.get("rope_dim") != config.qk_rope_head_dim:
+            raise K2Error(f"{where}: manifest.json's kv_cache dims ({kv.get('latent_dim')}, {kv.get('rope_dim')}) are "
+                          f"not its model's ({config.kv_lora_rank}, {config.qk_rope_head_dim}); re-export the artifact")
+        return cls.from_manifest(kv)
+
     @property
     def coding(self) -> LatentCoding:
         return CODINGS[self.name]

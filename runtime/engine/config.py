@@ -67,7 +67,7 @@ def resolve_engine_config(manifest: Manifest, options=None, *, max_batch: int = 
         raise K2Error(f"--max-context {max_context} is past the model's {model_context} positions; give at most "
                       f"{model_context}")
     chosen = {name: getattr(options, name) for name in RUNTIME_OPTIONS if hasattr(options, name)}
-    per_layer = CacheFormat.from_manifest(manifest.kv_cache).bytes_per_token_per_layer
+    per_layer = CacheFormat.for_artifact(manifest.kv_cache, manifest.config, manifest.root).bytes_per_token_per_layer
     return EngineConfig(context=max_context or model_context,
                         cache_token_bytes=per_layer * manifest.config.num_hidden_layers, max_batch=max_batch,
                         max_queue=max_queue, cache_tokens=cache_tokens, prefix_cache=prefix_cache, **chosen)

@@ -61,10 +61,7 @@ def check_against_graphs(manifest: Manifest, loaded: list) -> None:
                      "latent_pages": {1: PAGE_SIZE, -1: kv["latent_dim"]}, "new_latent": {-1: kv["latent_dim"]},
                      "rope_pages": {1: PAGE_SIZE, -1: kv["rope_dim"]}, "new_rope": {-1: kv["rope_dim"]},
                      "logits": {-1: config.vocab_size}}
-    if kv["latent_dim"] != config.kv_lora_rank or kv["rope_dim"] != config.qk_rope_head_dim:
-        raise K2Error(f"{manifest.root}: manifest.json's kv_cache dims ({kv['latent_dim']}, {kv['rope_dim']}) are not its "
-                      f"model's ({config.kv_lora_rank}, {config.qk_rope_head_dim}); re-export the artifact")
-    latent = CacheFormat.from_manifest(kv).arrays[0]
+    latent = CacheFormat.for_artifact(kv, config, manifest.root).arrays[0]
     latent_types = {"latent_pages": latent.pages_type, "new_latent": latent.onnx_type}
     for entry, session in loaded:
         declared = [(v["name"], v["dtype"]) for v in entry["inputs"]] + [(v["name"], v["dtype"]) for v in entry["outputs"]]
